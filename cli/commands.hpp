@@ -1,0 +1,50 @@
+// The subcommands of the `kvcomp` executable. Each returns the process exit
+// status: 0 success, 1 the operator returned an error status (or the demo's
+// precision check failed), 2 a usage or file error. Errors are printed to
+// stderr as "error <code>: <sentence>". IoError escapes to main(), which
+// prints it the same way.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "io/case_dir.hpp"
+#include "kvcomp/kvcomp.hpp"
+
+namespace kvcomp::cli {
+
+constexpr int kExitOk = 0;
+constexpr int kExitStatus = 1;
+constexpr int kExitUsage = 2;
+
+struct CaseOptions {
+  std::string in_dir;
+  std::string out_dir;
+  io::OutDType out_dtype = io::OutDType::f32;
+  Options options;
+};
+
+int run_grad(const CaseOptions& o);
+int run_fwd(const CaseOptions& o);
+
+struct DemoOptions {
+  std::int64_t tokens = 4096;  // S (BSH, B = 1)
+  std::int64_t hidden = 4096;  // H
+  std::int64_t head_dim = 512;
+  std::int64_t coff = 2;
+  std::int64_t cmp_ratio = 4;
+  std::int64_t start_pos = 0;
+  std::int64_t block_size = 128;
+  std::int64_t check_tokens = 64;  // tokens of the reduced problem checked against the oracle
+  int repeat = 1;
+  int threads = 0;
+  std::uint64_t seed = 1;
+  std::string preset = "c4a";
+};
+
+int run_demo(const DemoOptions& o);
+
+// Prints "error <code>: <message>" to stderr.
+void print_error(int code, const std::string& message);
+
+}  // namespace kvcomp::cli

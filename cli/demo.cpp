@@ -1,0 +1,459 @@
+// `kvcomp demo`: a realistic case with no input files.
+//
+// Builds a seeded random case (C4A by default: bf16, BSH, B=1, S=4096,
+// H=4096, D=512, coff=2, r=4, paged state cache with block_size 128), runs
+// the forward (grad_enabled) and the backward, times both, and checks the
+// precision against the float64 oracle.
+//
+// The oracle is a plain loop nest, far too slow for the full case, so the
+// check runs on a reduced copy of the problem: the same weights, APE and
+// state cache, x cut to its first --check-tokens tokens. kvcomp runs that
+// reduced problem too and both are compared under the three-party rule of
+// spec 7.2. The full run is also sampled: the compressed rows, and the d_x
+// rows, that depend only on the first tokens are the same numbers in both
+// problems, so they are compared with the oracle directly.
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "commands.hpp"
+#include "kvcomp/half.hpp"
+#include "precision.hpp"
+#include "reference/reference.hpp"
+
+namespace kvcomp::cli {
+
+namespace {
+
+using io::HostTensor;
+using i64 = std::int64_t;
+using Clock = std::chrono::steady_clock;
+
+// Counter-based random numbers: element i of stream s depends only on (seed,
+// s, i), so the data are the same for any thread count.
+std::uint64_t mix(std::uint64_t z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+float uniform(std::uint64_t seed, std::uint64_t stream, i64 i) {  // [-1, 1)
+  const std::uint64_t u = mix(mix(seed ^ (stream * 0xd1b54a32d192ed03ull)) + static_cast<std::uint64_t>(i));
+  return static_cast<float>(static_cast<double>(u >> 40) * 0x1p-23 - 1.0);
+}
+
+enum Stream : std::uint64_t { kX = 1, kWkv, kWgate, kApe, kCache, kTable, kDcmp };
+
+void fill_bf16(HostTensor& t, std::uint64_t seed, Stream s, float scale) {
+  std::uint16_t* p = t.as<std::uint16_t>();
+  const i64 n = t.numel();
+#pragma omp parallel for schedule(static)
+  for (i64 i = 0; i < n; ++i) p[i] = float_to_bf16(scale * uniform(seed, s, i));
+}
+
+void fill_f32(HostTensor& t, std::uint64_t seed, Stream s, float scale) {
+  float* p = t.as<float>();
+  const i64 n = t.numel();
+#pragma omp parallel for schedule(static)
+  for (i64 i = 0; i < n; ++i) p[i] = scale * uniform(seed, s, i);
+}
+
+std::string dims(const std::vector<i64>& shape) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// One problem instance for kvcomp: inputs, state cache and outputs.
+struct Instance {
+  i64 S = 0;
+  HostTensor x, cache, cmp_kv, score, kv, d_cmp_kv, d_x, d_wkv, d_wgate, d_ape;
+};
+
+struct Shared {  // tensors both instances use unchanged
+  HostTensor wkv, wgate, ape, table, start_pos;
+  i64 H = 0, D = 0, C = 0, coff = 0, r = 0, sp = 0, bs = 0, cols = 0, block_num = 0;
+};
+
+ForwardArgs forward_args(Shared& sh, Instance& in) {
+  ForwardArgs a;
+  a.x = in.x.view();
+  a.wkv = sh.wkv.view();
+  a.wgate = sh.wgate.view();
+  a.start_pos = sh.start_pos.view();
+  a.cmp_ratio = sh.r;
+  a.coff = sh.coff;
+  a.state_cache = in.cache.view();
+  a.ape = sh.ape.view();
+  a.state_block_table = sh.table.view();
+  a.cache_mode = 1;
+  a.grad_enabled = true;
+  a.cmp_kv = in.cmp_kv.view();
+  a.softmax_score = in.score.view();
+  a.kv = in.kv.view();
+  return a;
+}
+
+BackwardArgs backward_args(Shared& sh, Instance& in) {
+  BackwardArgs a;
+  a.x = in.x.view();
+  a.wkv = sh.wkv.view();
+  a.wgate = sh.wgate.view();
+  a.start_pos = sh.start_pos.view();
+  a.cmp_ratio = sh.r;
+  a.coff = sh.coff;
+  a.d_cmp_kv = in.d_cmp_kv.view();
+  a.softmax_score = in.score.view();
+  a.kv = in.kv.view();
+  a.d_x = in.d_x.view();
+  a.d_wkv = in.d_wkv.view();
+  a.d_wgate = in.d_wgate.view();
+  a.d_ape = in.d_ape.view();
+  return a;
+}
+
+void allocate_outputs(const Shared& sh, Instance& in) {
+  const i64 rows = compressed_rows_bsh(in.S, sh.r);
+  in.cmp_kv = HostTensor::zeros(DType::bf16, {1, rows, sh.D});
+  in.score = HostTensor::zeros(DType::f32, {1, rows, sh.coff * sh.r, sh.D});
+  in.kv = HostTensor::zeros(DType::f32, {1, rows, sh.coff * sh.r, sh.D});
+  in.d_x = HostTensor::zeros(DType::bf16, {1, in.S, sh.H});
+  in.d_wkv = HostTensor::zeros(DType::bf16, {sh.C, sh.H});
+  in.d_wgate = HostTensor::zeros(DType::bf16, {sh.C, sh.H});
+  in.d_ape = HostTensor::zeros(DType::f32, {sh.r, sh.C});
+}
+
+// Copies of a tensor's first `count` elements as Real / as float.
+template <typename Real>
+std::vector<Real> to_real(const HostTensor& t, i64 count) {
+  std::vector<Real> v(static_cast<std::size_t>(count));
+  for (i64 i = 0; i < count; ++i) {
+    const float f = t.dtype == DType::bf16 ? bf16_to_float(t.as<std::uint16_t>()[i]) : t.as<float>()[i];
+    v[static_cast<std::size_t>(i)] = static_cast<Real>(f);
+  }
+  return v;
+}
+
+std::vector<float> floats(const HostTensor& t, i64 first_row, i64 rows, i64 width) {
+  std::vector<float> v(static_cast<std::size_t>(rows * width));
+  for (i64 i = 0; i < rows * width; ++i) {
+    const i64 k = first_row * width + i;
+    v[static_cast<std::size_t>(i)] =
+        t.dtype == DType::bf16 ? bf16_to_float(t.as<std::uint16_t>()[k]) : t.as<float>()[k];
+  }
+  return v;
+}
+
+template <typename Real>
+std::vector<float> rounded(const std::vector<Real>& v, i64 first_row, i64 rows, i64 width, DType dt) {
+  std::vector<float> out(static_cast<std::size_t>(rows * width));
+  for (i64 i = 0; i < rows * width; ++i)
+    out[static_cast<std::size_t>(i)] = round_to(v[static_cast<std::size_t>(first_row * width + i)], dt);
+  return out;
+}
+
+struct Report {
+  bool all_pass = true;
+  bool footnote = false;
+  void header() const {
+    std::printf("  %-26s %-5s %10s %9s %9s %9s %9s %9s %9s  %s\n", "output", "dtype", "elements", "MARE A",
+                "MARE B", "MERE A", "MERE B", "RMSE A", "RMSE B", "verdict");
+  }
+  void row(const std::string& name, DType dt, const std::vector<float>& a, const std::vector<float>& b,
+           const std::vector<float>& c) {
+    const ThreeWay t = three_way(a, b, c, dt);
+    // With an exact B the ratio rule only says "A is not exact"; A is then
+    // judged by being within one last-place unit of the truth.
+    const bool degenerate_ok = !t.pass && t.b_exact && t.a_within_ulp;
+    all_pass = all_pass && (t.pass || degenerate_ok);
+    footnote = footnote || degenerate_ok;
+    const std::string verdict = t.pass ? "PASS" : degenerate_ok ? "PASS*" : "FAIL " + t.why;
+    std::printf("  %-26s %-5s %10zu %9.2e %9.2e %9.2e %9.2e %9.2e %9.2e  %s\n", name.c_str(), dtype_name(dt),
+                t.n, t.mare_a, t.mare_b, t.mere_a, t.mere_b, t.rmse_a, t.rmse_b, verdict.c_str());
+  }
+};
+
+}  // namespace
+
+int run_demo(const DemoOptions& o_in) {
+  DemoOptions o = o_in;
+  struct Preset {
+    const char* name;
+    i64 D, coff, r;
+  };
+  // The three typical combinations of the aclnnCompressor documentation.
+  for (const Preset& p :
+       {Preset{"c4a", 512, 2, 4}, Preset{"c4li", 128, 2, 4}, Preset{"c128a", 512, 1, 128}}) {
+    if (o.preset == p.name) {
+      o.head_dim = p.D;
+      o.coff = p.coff;
+      o.cmp_ratio = p.r;
+    }
+  }
+  if (o.threads > 0) omp_set_num_threads(o.threads);
+  const int threads = o.threads > 0 ? o.threads : omp_get_max_threads();
+
+  Shared sh;
+  sh.H = o.hidden;
+  sh.D = o.head_dim;
+  sh.coff = o.coff;
+  sh.C = sh.coff * sh.D;
+  sh.r = o.cmp_ratio;
+  sh.sp = o.start_pos;
+  sh.bs = o.block_size;
+  const i64 S = o.tokens, T = S, H = sh.H, D = sh.D, C = sh.C, r = sh.r, sp = sh.sp;
+  sh.cols = (sp + S + sh.bs - 1) / sh.bs;
+  // Block id 0 means "do not write" (spec 1.3), so ids start at 1.
+  sh.block_num = sh.cols + 1;
+  const std::uint64_t seed = o.seed;
+
+  std::printf("kvcomp %s demo: preset %s, seed %llu, %d threads\n", version(), o.preset.c_str(),
+              static_cast<unsigned long long>(seed), threads);
+  std::printf("case: bf16 BSH B=1 S=%lld H=%lld D=%lld coff=%lld cmp_ratio=%lld start_pos=%lld\n",
+              static_cast<long long>(S), static_cast<long long>(H), static_cast<long long>(D),
+              static_cast<long long>(sh.coff), static_cast<long long>(r), static_cast<long long>(sp));
+  std::printf("      paged state cache: block_size %lld, %lld blocks (id 0 unused), block_table [1, %lld]\n",
+              static_cast<long long>(sh.bs), static_cast<long long>(sh.block_num),
+              static_cast<long long>(sh.cols));
+
+  // ---- data
+  const auto t_gen = Clock::now();
+  Instance full;
+  full.S = S;
+  full.x = HostTensor::zeros(DType::bf16, {1, S, H});
+  fill_bf16(full.x, seed, kX, 1.0f);
+  // Weights scaled so that the projections are O(1), like trained ones.
+  const auto wscale = static_cast<float>(std::sqrt(3.0 / static_cast<double>(H)));
+  sh.wkv = HostTensor::zeros(DType::bf16, {C, H});
+  fill_bf16(sh.wkv, seed, kWkv, wscale);
+  sh.wgate = HostTensor::zeros(DType::bf16, {C, H});
+  fill_bf16(sh.wgate, seed, kWgate, wscale);
+  sh.ape = HostTensor::zeros(DType::f32, {r, C});
+  fill_f32(sh.ape, seed, kApe, 0.5f);
+  // The upstream tests start from a state uniform in (-10, 10).
+  HostTensor cache0 = HostTensor::zeros(DType::f32, {sh.block_num, sh.bs, 2 * C});
+  fill_f32(cache0, seed, kCache, 10.0f);
+  sh.table = HostTensor::zeros(DType::i32, {1, sh.cols});
+  {
+    // A seeded shuffle of 1..cols: pages are scattered in a real cache.
+    std::vector<std::int32_t> ids(static_cast<std::size_t>(sh.cols));
+    std::iota(ids.begin(), ids.end(), 1);
+    for (i64 i = sh.cols - 1; i > 0; --i) {
+      const auto j = static_cast<i64>(mix(seed ^ (kTable << 32) ^ static_cast<std::uint64_t>(i)) %
+                                      static_cast<std::uint64_t>(i + 1));
+      std::swap(ids[static_cast<std::size_t>(i)], ids[static_cast<std::size_t>(j)]);
+    }
+    std::copy(ids.begin(), ids.end(), sh.table.as<std::int32_t>());
+  }
+  sh.start_pos = HostTensor::zeros(DType::i32, {1});
+  sh.start_pos.as<std::int32_t>()[0] = static_cast<std::int32_t>(sp);
+  full.cache = cache0;
+  allocate_outputs(sh, full);
+  const i64 rows = compressed_rows_bsh(S, r);
+  full.d_cmp_kv = HostTensor::zeros(DType::bf16, {1, rows, D});
+  fill_bf16(full.d_cmp_kv, seed, kDcmp, 1.0f);
+
+  // The reduced problem: the first Sr tokens, the same everything else.
+  Instance red;
+  // At least two compressed blocks, or the d_x sample (coff = 2) is empty.
+  red.S = std::min(S, std::max(o.check_tokens, 2 * r));
+  const i64 Sr = red.S, rows_r = compressed_rows_bsh(Sr, r);
+  red.x = HostTensor::zeros(DType::bf16, {1, Sr, H});
+  std::memcpy(red.x.bytes.data(), full.x.bytes.data(), static_cast<std::size_t>(Sr * H) * 2);
+  red.cache = cache0;
+  allocate_outputs(sh, red);
+  red.d_cmp_kv = HostTensor::zeros(DType::bf16, {1, rows_r, D});
+  std::memcpy(red.d_cmp_kv.bytes.data(), full.d_cmp_kv.bytes.data(),
+              static_cast<std::size_t>(rows_r * D) * 2);
+  std::printf("data generated in %.2f s\n", seconds_since(t_gen));
+
+  std::printf("shapes:\n");
+  std::printf("  %-16s %-22s %s\n", "x, d_x", dims({1, S, H}).c_str(), "bf16");
+  std::printf("  %-16s %-22s %s\n", "wkv, wgate (+d_)", dims({C, H}).c_str(), "bf16");
+  std::printf("  %-16s %-22s %s\n", "ape, d_ape", dims({r, C}).c_str(), "f32");
+  std::printf("  %-16s %-22s %s\n", "state_cache", dims(cache0.shape).c_str(), "f32");
+  std::printf("  %-16s %-22s %s\n", "cmp_kv, d_cmp_kv", dims({1, rows, D}).c_str(), "bf16");
+  std::printf("  %-16s %-22s %s\n", "softmax_score, kv", dims(full.score.shape).c_str(), "f32");
+
+  Options opt;
+  opt.num_threads = o.threads;
+
+  // The reduced run goes first; it also warms up the library (JIT kernels,
+  // thread pool) before the timed runs.
+  ForwardArgs fa_r = forward_args(sh, red);
+  Status st = compressor_forward(fa_r, opt);
+  if (st.ok()) {
+    BackwardArgs ba_r = backward_args(sh, red);
+    st = compressor_backward(ba_r, opt);
+  }
+  if (!st.ok()) {
+    print_error(st.value(), st.message);
+    return kExitStatus;
+  }
+
+  // ---- timed full runs
+  const double tcH = static_cast<double>(T) * static_cast<double>(C) * static_cast<double>(H);
+  auto time_op = [&](auto&& call, double flops, const char* label) -> bool {
+    double best = 1e300, total = 0;
+    for (int i = 0; i < o.repeat; ++i) {
+      const auto t0 = Clock::now();
+      const Status s = call();
+      const double t = seconds_since(t0);
+      if (!s.ok()) {
+        print_error(s.value(), s.message);
+        return false;
+      }
+      best = std::min(best, t);
+      total += t;
+    }
+    if (o.repeat == 1)
+      std::printf("  %-24s %10.1f ms %9.1f GFLOP/s\n", label, best * 1e3, flops / best * 1e-9);
+    else
+      std::printf("  %-24s %10.1f ms best, %.1f ms mean of %d %9.1f GFLOP/s (best)\n", label, best * 1e3,
+                  total / o.repeat * 1e3, o.repeat, flops / best * 1e-9);
+    return true;
+  };
+  std::printf("timing (full case, whole call incl. planning and workspace):\n");
+  // Writes go to positions >= start_pos and reads to positions below it, so a
+  // repeated forward sees the same cache every time.
+  ForwardArgs fa = forward_args(sh, full);
+  if (!time_op([&] { return compressor_forward(fa, opt); }, 4 * tcH, "forward (grad_enabled)"))
+    return kExitStatus;
+  BackwardArgs ba = backward_args(sh, full);
+  if (!time_op([&] { return compressor_backward(ba, opt); }, 8 * tcH, "backward")) return kExitStatus;
+  std::printf("  flops counted: forward 4*T*C*H, backward 8*T*C*H (T=%lld, C=%lld, H=%lld)\n",
+              static_cast<long long>(T), static_cast<long long>(C), static_cast<long long>(H));
+
+  // ---- oracle on the reduced problem
+  const auto t_ref = Clock::now();
+  ref::Problem p;
+  p.th = false;
+  p.B = 1;
+  p.S = Sr;
+  p.H = H;
+  p.D = D;
+  p.coff = sh.coff;
+  p.r = r;
+  p.start_pos = {static_cast<std::int32_t>(sp)};
+  const i64 nrow = sh.coff * r;
+  const std::vector<std::int32_t> table(sh.table.as<std::int32_t>(), sh.table.as<std::int32_t>() + sh.cols);
+
+  auto make_fwd_inputs = [&]<typename Real>(Real) {
+    ref::ForwardInputs<Real> in;
+    in.x = to_real<Real>(red.x, Sr * H);
+    in.wkv = to_real<Real>(sh.wkv, C * H);
+    in.wgate = to_real<Real>(sh.wgate, C * H);
+    in.ape = to_real<Real>(sh.ape, r * C);
+    in.cache.block_num = sh.block_num;
+    in.cache.block_size = sh.bs;
+    in.cache.cache_mode = 1;
+    in.cache.block_table = table;
+    in.cache.table_cols = sh.cols;
+    in.cache.data = to_real<Real>(cache0, cache0.numel());
+    return in;
+  };
+  // The backward of all three parties takes kvcomp's own forward
+  // intermediates, so the backward is judged on its own.
+  auto make_bwd_inputs = [&]<typename Real>(const ref::ForwardInputs<Real>& f) {
+    ref::BackwardInputs<Real> in;
+    in.x = f.x;
+    in.wkv = f.wkv;
+    in.wgate = f.wgate;
+    in.d_cmp_kv = to_real<Real>(red.d_cmp_kv, rows_r * D);
+    in.softmax_score = to_real<Real>(red.score, rows_r * nrow * D);
+    in.kv = to_real<Real>(red.kv, rows_r * nrow * D);
+    return in;
+  };
+  auto fin_d = make_fwd_inputs(0.0);
+  const auto fout_d = ref::forward<double>(p, fin_d);
+  const auto bout_d = ref::backward<double>(p, make_bwd_inputs(fin_d));
+  auto fin_f = make_fwd_inputs(0.0f);
+  const auto fout_f = ref::forward<float>(p, fin_f);
+  // The "same" golden stages d_new in the io dtype, as the NPU does (spec 6.2).
+  const auto bout_f = ref::backward<float>(p, make_bwd_inputs(fin_f),
+                                           [](float v) { return bf16_to_float(float_to_bf16(v)); });
+  std::printf("float64 oracle and fp32 golden on the reduced problem: %.2f s\n", seconds_since(t_ref));
+
+  // ---- compare
+  // Valid (non-padding) compressed rows of the reduced problem form a prefix
+  // for B = 1.
+  i64 valid = 0;
+  while (valid < rows_r && fout_d.valid[static_cast<std::size_t>(valid)]) ++valid;
+  const DType bf = DType::bf16, f32 = DType::f32;
+  Report rep;
+  std::printf(
+      "\nprecision, reduced problem (first %lld tokens, same weights, APE and cache) vs the float64 oracle\n",
+      static_cast<long long>(Sr));
+  std::printf(
+      "  A = kvcomp, B = fp32 golden, C = float64 truth rounded to the output dtype; spec 7.2 three-party "
+      "rule\n");
+  rep.header();
+  rep.row("cmp_kv (" + std::to_string(valid) + " rows)", bf, floats(red.cmp_kv, 0, valid, D),
+          rounded(fout_f.cmp_kv, 0, valid, D, bf), rounded(fout_d.cmp_kv, 0, valid, D, bf));
+  rep.row("softmax_score", f32, floats(red.score, 0, valid, nrow * D),
+          rounded(fout_f.softmax_score, 0, valid, nrow * D, f32),
+          rounded(fout_d.softmax_score, 0, valid, nrow * D, f32));
+  rep.row("kv", f32, floats(red.kv, 0, valid, nrow * D), rounded(fout_f.kv, 0, valid, nrow * D, f32),
+          rounded(fout_d.kv, 0, valid, nrow * D, f32));
+  rep.row("d_x", bf, floats(red.d_x, 0, Sr, H), rounded(bout_f.d_x, 0, Sr, H, bf),
+          rounded(bout_d.d_x, 0, Sr, H, bf));
+  rep.row("d_wkv", bf, floats(red.d_wkv, 0, C, H), rounded(bout_f.d_wkv, 0, C, H, bf),
+          rounded(bout_d.d_wkv, 0, C, H, bf));
+  rep.row("d_wgate", bf, floats(red.d_wgate, 0, C, H), rounded(bout_f.d_wgate, 0, C, H, bf),
+          rounded(bout_d.d_wgate, 0, C, H, bf));
+  rep.row("d_ape", f32, floats(red.d_ape, 0, r, C), rounded(bout_f.d_ape, 0, r, C, f32),
+          rounded(bout_d.d_ape, 0, r, C, f32));
+  {
+    const i64 n = cache0.numel();
+    const TwoParty tp = two_party(floats(red.cache, 0, n, 1), rounded(fin_d.cache.data, 0, n, 1, f32), bf);
+    rep.all_pass = rep.all_pass && tp.pass;
+    std::printf(
+        "  %-26s two-party (spec 7.1, bf16 tolerances): %zu elements, pass rate %.4f%%, %zu outside  %s\n",
+        "state_cache", tp.n, tp.pass_rate * 100, tp.n_bad, tp.pass ? "PASS" : "FAIL");
+  }
+
+  // Rows of the full run that are, mathematically, the same numbers as in the
+  // reduced problem: the valid compressed rows, and the d_x rows of tokens
+  // whose every block (their own and, for coff=2, the next) lies inside them.
+  const i64 limit_r = (sp + Sr) / r * r;
+  const i64 dx_rows = std::clamp<i64>(limit_r - (sh.coff - 1) * r - sp, 0, Sr);
+  std::printf(
+      "\nsample of the full run vs the float64 oracle (rows that depend only on the first %lld tokens)\n",
+      static_cast<long long>(Sr));
+  rep.header();
+  rep.row("cmp_kv rows [0," + std::to_string(valid) + ")", bf, floats(full.cmp_kv, 0, valid, D),
+          rounded(fout_f.cmp_kv, 0, valid, D, bf), rounded(fout_d.cmp_kv, 0, valid, D, bf));
+  rep.row("softmax_score rows [0," + std::to_string(valid) + ")", f32, floats(full.score, 0, valid, nrow * D),
+          rounded(fout_f.softmax_score, 0, valid, nrow * D, f32),
+          rounded(fout_d.softmax_score, 0, valid, nrow * D, f32));
+  rep.row("d_x rows [0," + std::to_string(dx_rows) + ")", bf, floats(full.d_x, 0, dx_rows, H),
+          rounded(bout_f.d_x, 0, dx_rows, H, bf), rounded(bout_d.d_x, 0, dx_rows, H, bf));
+
+  std::printf(
+      "\nMARE = max relative error over |C| >= 2e-8 (bf16) / 2e-14 (f32); pass: MARE_A < 10*MARE_B, "
+      "MERE_A < 2*MERE_B, RMSE_A < 2*RMSE_B\n");
+  if (rep.footnote)
+    std::printf(
+        "* B equals C exactly there, so the ratio rule cannot pass a non-exact A; A is within one unit in "
+        "the last place of C everywhere\n");
+  if (!rep.all_pass) {
+    std::printf("result: precision check FAILED\n");
+    return kExitStatus;
+  }
+  std::printf("result: PASS\n");
+  return kExitOk;
+}
+
+}  // namespace kvcomp::cli

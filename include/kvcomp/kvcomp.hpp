@@ -1,0 +1,167 @@
+// kvcomp: the Compressor / CompressorGrad operator pair of compressed sparse
+// attention (DeepSeek-V4 style C4A / C4Li / C128A), on any x86-64 CPU, with the
+// semantics of the Ascend aclnnCompressor / aclnnCompressorGrad operators.
+//
+// Life cycle (the aclnn two-phase shape): fill an Args struct with tensor
+// views, call plan_*() (validates everything, returns the workspace size),
+// allocate that many bytes, call execute(). compressor_forward() /
+// compressor_backward() do the three steps in one call.
+//
+// Tensors are non-owning views of contiguous row-major memory. The library
+// never allocates or frees user memory. A call that fails validation writes
+// nothing.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <optional>
+#include <string>
+
+namespace kvcomp {
+
+enum class DType : int { f32 = 0, f16 = 1, bf16 = 2, i32 = 3 };
+
+std::size_t dtype_size(DType dt);
+const char* dtype_name(DType dt);
+
+// Status codes carry the aclnn numbers so that both front doors report alike.
+enum class StatusCode : int {
+  ok = 0,
+  null_pointer = 161001,   // ACLNN_ERR_PARAM_NULLPTR: a required tensor or its data is null
+  invalid_param = 161002,  // ACLNN_ERR_PARAM_INVALID: dtype, rank, attribute or data value not supported
+  runtime_error = 361001,  // ACLNN_ERR_RUNTIME_ERROR: allocation or execution failure
+  shape_error = 561002,    // ACLNN_ERR_INNER_TILING_ERROR: shapes inconsistent with each other
+};
+
+struct Status {
+  StatusCode code = StatusCode::ok;
+  std::string message;  // one sentence: "[kvcomp] <parameter> (= <value>) must <rule>"
+
+  bool ok() const { return code == StatusCode::ok; }
+  int value() const { return static_cast<int>(code); }
+  static Status success() { return {}; }
+};
+
+constexpr int kMaxRank = 4;
+
+// A non-owning view of a contiguous row-major tensor.
+struct Tensor {
+  void* data = nullptr;
+  DType dtype = DType::f32;
+  int rank = 0;
+  std::array<std::int64_t, kMaxRank> shape{};
+
+  Tensor() = default;
+  Tensor(void* ptr, DType dt, std::initializer_list<std::int64_t> dims);
+  std::int64_t dim(int i) const { return shape[static_cast<std::size_t>(i)]; }
+  // Product of the dims (1 for rank 0); -1 if it overflows int64.
+  std::int64_t numel() const;
+};
+
+// aclnn: exactly the ranges the Ascend operator accepts (D in {128,512},
+// H in [1024,10240] multiple of 512, cmp_ratio in [2,128], coff in {1,2}).
+// extended (the C++ default): any D >= 1, H >= 1, 1 <= cmp_ratio <= 1024.
+enum class Profile { extended, aclnn };
+
+// How the backward stages d_new_kv / d_new_score before the matrix products.
+// precise: fp32 (more precise than the NPU). npu_parity: rounded to the io
+// dtype first, like the Ascend kernel, so NPU numbers can be reproduced.
+enum class Precision { precise, npu_parity };
+
+struct Options {
+  Profile profile = Profile::extended;
+  Precision precision = Precision::precise;
+  int num_threads = 0;  // 0: OpenMP default. Results never depend on this.
+};
+
+// What both operators take: the token matrix, the two projections and the
+// sequence description. Layout: x rank 3 [B,S,H] is BSH, rank 2 [T,H] is TH
+// (then cu_seqlens [B+1] is required; for BSH it must be absent).
+struct SequenceArgs {
+  Tensor x;                          // io dtype (bf16, f16, or f32 as an extension)
+  Tensor wkv;                        // [coff*D, H], io dtype
+  Tensor wgate;                      // [coff*D, H], io dtype
+  std::optional<Tensor> cu_seqlens;  // int32 [B+1], TH only
+  std::optional<Tensor> seqused;     // int32 [B]; absent: whole sequences
+  std::optional<Tensor> start_pos;   // int32 [B]; absent: all zero
+  std::int64_t cmp_ratio = 4;
+  std::int64_t coff = 1;
+};
+
+struct ForwardArgs : SequenceArgs {
+  Tensor state_cache;                       // f32 [block_num, block_size, 2*coff*D], updated in place
+  Tensor ape;                               // f32 [cmp_ratio, coff*D]
+  std::optional<Tensor> state_block_table;  // int32: cache_mode 1 [B, nblk], cache_mode 2 [B]
+  std::int64_t cache_mode = 1;              // 1 paged, 2 ring
+  std::int64_t state_cache_stride0 = 0;     // element stride of state_cache dim 0; 0: contiguous
+  bool grad_enabled = false;
+
+  // outputs
+  Tensor cmp_kv;         // io dtype, BSH [B, ceil(S/r), D], TH [min(T, T/r + B), D]
+  Tensor softmax_score;  // f32 [..., coff*r, D]; required when grad_enabled, else may be null
+  Tensor kv;             // f32, same shape; the raw assembled kv block (not S*kv)
+};
+
+struct BackwardArgs : SequenceArgs {
+  Tensor d_cmp_kv;       // io dtype, shape of cmp_kv
+  Tensor softmax_score;  // f32, from the forward
+  Tensor kv;             // f32, from the forward
+
+  // outputs
+  Tensor d_x;      // io dtype, shape of x
+  Tensor d_wkv;    // io dtype, [coff*D, H]
+  Tensor d_wgate;  // io dtype, [coff*D, H]
+  Tensor d_ape;    // f32, [cmp_ratio, coff*D]
+};
+
+struct ForwardPlanState;
+struct BackwardPlanState;
+
+// A validated, ready-to-run call. Holds the views of the Args (not the data):
+// the memory they point to must stay valid until execute() returns.
+class ForwardPlan {
+ public:
+  std::size_t workspace_size() const;
+  bool valid() const { return state_ != nullptr; }
+
+ private:
+  std::shared_ptr<ForwardPlanState> state_;
+  friend Status plan_forward(const ForwardArgs&, const Options&, ForwardPlan*);
+  friend Status execute(ForwardPlan&, void*, std::size_t);
+};
+
+class BackwardPlan {
+ public:
+  std::size_t workspace_size() const;
+  bool valid() const { return state_ != nullptr; }
+
+ private:
+  std::shared_ptr<BackwardPlanState> state_;
+  friend Status plan_backward(const BackwardArgs&, const Options&, BackwardPlan*);
+  friend Status execute(BackwardPlan&, void*, std::size_t);
+};
+
+// Phase one: validate every rule and size the workspace. Writes nothing.
+Status plan_forward(const ForwardArgs& args, const Options& options, ForwardPlan* plan);
+Status plan_backward(const BackwardArgs& args, const Options& options, BackwardPlan* plan);
+
+// Phase two: run. The workspace must hold at least plan.workspace_size() bytes
+// (64-byte alignment is best; any alignment works).
+Status execute(ForwardPlan& plan, void* workspace, std::size_t workspace_size);
+Status execute(BackwardPlan& plan, void* workspace, std::size_t workspace_size);
+
+// One call: plan, allocate the workspace, execute.
+Status compressor_forward(const ForwardArgs& args, const Options& options = {});
+Status compressor_backward(const BackwardArgs& args, const Options& options = {});
+
+// Output row count of cmp_kv / d_cmp_kv for a layout: BSH ceil(S/r) per
+// batch, TH min(T, T/r + B). Useful to size outputs.
+std::int64_t compressed_rows_bsh(std::int64_t S, std::int64_t cmp_ratio);
+std::int64_t compressed_rows_th(std::int64_t T, std::int64_t B, std::int64_t cmp_ratio);
+
+const char* version();
+
+}  // namespace kvcomp

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set-up command 2: install what is missing, build, run the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install-deps.sh
+bash scripts/build.sh
+ctest --test-dir build --output-on-failure --parallel "$(nproc)" --timeout 900

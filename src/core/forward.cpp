@@ -1,0 +1,103 @@
+#include <algorithm>
+#include <cstring>
+
+#include "core/ops.hpp"
+#include "kernels/convert.hpp"
+#include "kernels/elementwise.hpp"
+#include "kernels/gemm.hpp"
+
+namespace kvcomp::detail {
+
+namespace {
+
+struct ForwardBuffers {
+  float* wcat;  // [2C, H]: wkv rows then wgate rows, fp32
+  float* xf;    // [R, H]: the chunk's x rows in fp32
+  float* proj;  // [coff*r + R, 2C]: projections (kv | score+ape) of the chunk and the rows before it
+  std::size_t size;
+
+  ForwardBuffers(const Dims& d, void* base) {
+    WorkspaceLayout ws(base);
+    const std::int64_t R = std::min(kChunkRows, std::max<std::int64_t>(d.T, 1));
+    wcat = ws.take<float>(2 * d.C * d.H);
+    xf = ws.take<float>(R * d.H);
+    proj = ws.take<float>((d.coff * d.r + R) * 2 * d.C);
+    size = ws.size();
+  }
+};
+
+// Zeroes output rows that hold no block (the NPU leaves them unwritten).
+void zero_padding_rows(const ForwardArgs& args, const BlockPlan& plan) {
+  const Dims& d = plan.dims;
+  const std::int64_t cr = d.coff * d.r;
+  auto zero_rows = [&](std::int64_t first, std::int64_t count) {
+    if (count <= 0) return;
+    std::memset(static_cast<unsigned char*>(args.cmp_kv.data) +
+                    static_cast<std::size_t>(first * d.D) * dtype_size(d.io),
+                0, static_cast<std::size_t>(count * d.D) * dtype_size(d.io));
+    for (const Tensor* t : {&args.softmax_score, &args.kv})
+      if (t->data)
+        std::memset(static_cast<float*>(t->data) + first * cr * d.D, 0,
+                    static_cast<std::size_t>(count * cr * d.D) * sizeof(float));
+  };
+  if (d.layout == Layout::th) {
+    zero_rows(plan.total_blocks, args.cmp_kv.dim(0) - plan.total_blocks);
+  } else {
+    const std::int64_t per = d.rows_per_batch_bsh();
+    for (const auto& s : plan.batches) zero_rows(s.out_row + s.nblocks, per - s.nblocks);
+  }
+}
+
+}  // namespace
+
+std::size_t forward_workspace_size(const Dims& d) { return ForwardBuffers(d, nullptr).size; }
+
+Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threads, void* workspace) {
+  const Dims& d = plan.dims;
+  if (d.T == 0) return Status::success();  // empty input: nothing computed, cache untouched
+  const std::int64_t H = d.H, C = d.C;
+  ForwardBuffers buf(d, WorkspaceLayout::align(workspace));
+  to_f32(args.wkv.data, d.io, buf.wcat, C * H);
+  to_f32(args.wgate.data, d.io, buf.wcat + C * H, C * H);
+  zero_padding_rows(args, plan);
+
+  ForwardBlockIo io;
+  io.cache = static_cast<float*>(args.state_cache.data);
+  io.block_size = args.state_cache.dim(1);
+  io.slot_width = 2 * C;
+  io.cache_stride0 = args.state_cache_stride0 ? args.state_cache_stride0 : io.block_size * 2 * C;
+  io.block_table = static_cast<const std::int32_t*>(args.state_block_table->data);
+  io.table_cols = args.cache_mode == 1 ? args.state_block_table->dim(1) : 1;
+  io.cache_mode = static_cast<int>(args.cache_mode);
+  io.cmp_kv = args.cmp_kv.data;
+  io.softmax_score = args.grad_enabled ? static_cast<float*>(args.softmax_score.data) : nullptr;
+  io.kv = args.grad_enabled ? static_cast<float*>(args.kv.data) : nullptr;
+
+  const std::size_t io_size = dtype_size(d.io);
+  const std::int64_t carry = d.coff * d.r;  // rows of the previous chunk a block may still need
+  std::int64_t prev_first = 0;
+  for (std::int64_t a = 0; a < d.T; a += kChunkRows) {
+    const std::int64_t b = std::min(d.T, a + kChunkRows), n = b - a;
+    const std::int64_t first = std::max<std::int64_t>(0, a - carry);
+    if (a > 0)
+      std::memmove(buf.proj, buf.proj + (first - prev_first) * 2 * C,
+                   static_cast<std::size_t>((a - first) * 2 * C) * sizeof(float));
+    prev_first = first;
+    float* rows = buf.proj + (a - first) * 2 * C;
+    const auto* x_rows =
+        static_cast<const unsigned char*>(args.x.data) + static_cast<std::size_t>(a * H) * io_size;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (std::int64_t i = 0; i < n; ++i)
+      to_f32(x_rows + static_cast<std::size_t>(i * H) * io_size, d.io, buf.xf + i * H, H);
+    // [new_kv | new_score] = x . [wkv ; wgate]^T
+    if (!gemm_f32(n, 2 * C, H, {buf.xf, H, false}, {buf.wcat, H, true}, rows, 2 * C, false, num_threads))
+      return {StatusCode::runtime_error, "[kvcomp] oneDNN matmul for the projections failed"};
+    add_ape(plan, static_cast<const float*>(args.ape.data), buf.proj, first, a, b, num_threads);
+    io.proj = buf.proj;
+    io.proj_first = first;
+    forward_blocks(plan, io, a, b, num_threads);
+  }
+  return Status::success();
+}
+
+}  // namespace kvcomp::detail

@@ -1,0 +1,254 @@
+#include "kernels/elementwise.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "kernels/convert.hpp"
+
+namespace kvcomp::detail {
+
+namespace {
+
+// Columns per work item. A multiple of the widest SIMD register in floats.
+constexpr std::int64_t kSlice = 16;
+
+std::int64_t slices(const Dims& d) { return (d.D + kSlice - 1) / kSlice; }
+
+// Token range [lo, hi) of batch `s` (local indices) inside rows [a, b).
+struct LocalRange {
+  std::int64_t lo, hi;
+};
+LocalRange local_range(const BatchSpan& s, std::int64_t a, std::int64_t b) {
+  return {std::max(a, s.base) - s.base, std::min(b, s.base + s.len) - s.base};
+}
+
+float* cache_slot(const ForwardBlockIo& io, std::int64_t batch, std::int64_t pos, bool for_write) {
+  std::int64_t id;
+  if (io.cache_mode == 1) {
+    id = io.block_table[batch * io.table_cols + pos / io.block_size];
+    if (for_write && id == 0) return nullptr;  // block id 0: "do not write"
+  } else {
+    id = io.block_table[batch];
+  }
+  return io.cache + id * io.cache_stride0 + (pos % io.block_size) * io.slot_width;
+}
+
+}  // namespace
+
+std::size_t first_batch_ending_after(const BlockPlan& plan, std::int64_t row) {
+  auto it = std::partition_point(plan.batches.begin(), plan.batches.end(),
+                                 [row](const BatchSpan& s) { return s.base + s.len <= row; });
+  return static_cast<std::size_t>(it - plan.batches.begin());
+}
+
+void backward_blocks(const BlockPlan& plan, const BackwardBlockInputs& in, std::int64_t a, std::int64_t b,
+                     float* dnew, double* dape, bool npu_parity, int num_threads) {
+  const Dims& dm = plan.dims;
+  const std::int64_t D = dm.D, C = dm.C, r = dm.r, coff = dm.coff, cr = coff * r;
+  const std::size_t first = first_batch_ending_after(plan, a);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (std::int64_t slice = 0; slice < slices(dm); ++slice) {
+    const std::int64_t d0 = slice * kSlice, d1 = std::min(D, d0 + kSlice), w = d1 - d0;
+    float dc[kSlice];
+    double wsum[kSlice];
+    for (std::size_t bi = first; bi < plan.batches.size() && plan.batches[bi].base < b; ++bi) {
+      const BatchSpan& s = plan.batches[bi];
+      if (s.nblocks == 0) continue;
+      LocalRange lr = local_range(s, a, b);
+      lr.hi = std::min(lr.hi, s.limit - s.sp);  // tokens past the compressed region get no gradient
+      if (lr.lo >= lr.hi) continue;
+      const std::int64_t k_first = std::max(s.k0, (lr.lo + s.sp) / r);
+      const std::int64_t k_last = std::min(s.k0 + s.nblocks - 1, (lr.hi - 1 + s.sp) / r + (coff - 1));
+      for (std::int64_t k = k_first; k <= k_last; ++k) {
+        const std::int64_t orow = s.out_row + (k - s.k0);
+        const float* S = in.softmax_score + orow * cr * D;
+        const float* K = in.kv + orow * cr * D;
+        for (std::int64_t i = 0; i < w; ++i) {
+          dc[i] = load_io(in.d_cmp_kv, dm.io, orow * D + d0 + i);
+          wsum[i] = 0.0;
+        }
+        // w = sum_j S_j K_j over every row of the block (cache rows included):
+        // products of two floats are exact in float64 and the sum of at most
+        // 2048 of them loses ~11 bits of 53, far below fp32 resolution.
+        for (std::int64_t j = 0; j < cr; ++j)
+          for (std::int64_t i = 0; i < w; ++i)
+            wsum[i] += static_cast<double>(S[j * D + d0 + i]) * static_cast<double>(K[j * D + d0 + i]);
+        for (std::int64_t t = 0; t < r; ++t) {
+          for (std::int64_t c = 0; c < coff; ++c) {
+            const std::int64_t pos = slot_position(dm, k, c, t);
+            if (pos < s.sp) continue;  // cache or placeholder row: no gradient (spec 2.3)
+            const std::int64_t tok = pos - s.sp;
+            if (tok < lr.lo || tok >= lr.hi) continue;
+            const std::int64_t j = t * coff + c;
+            float* kv_out = dnew + (s.base + tok - a) * 2 * C + c * D + d0;
+            float* sc_out = kv_out + C;
+            double* ape_acc = dape + t * C + c * D + d0;
+            for (std::int64_t i = 0; i < w; ++i) {
+              const float sv = S[j * D + d0 + i];
+              const float kvv = K[j * D + d0 + i];
+              float dk = dc[i] * sv;
+              // dZ = S * dC * (K - w): K - w is formed in float64 where it is
+              // exact to ~2^-53 relative, so no cancellation reaches fp32.
+              const double dz =
+                  static_cast<double>(sv) * static_cast<double>(dc[i]) * (static_cast<double>(kvv) - wsum[i]);
+              float dzf = static_cast<float>(dz);
+              if (npu_parity) {
+                dk = round_to_io(dk, dm.io);
+                dzf = round_to_io(dzf, dm.io);
+              }
+              kv_out[i] = dk;
+              sc_out[i] = dzf;
+              ape_acc[i] += dz;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+void add_ape(const BlockPlan& plan, const float* ape, float* proj, std::int64_t proj_first, std::int64_t a,
+             std::int64_t b, int num_threads) {
+  const Dims& dm = plan.dims;
+  const std::int64_t C = dm.C;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (std::int64_t row = a; row < b; ++row) {
+    const std::size_t bi = first_batch_ending_after(plan, row);
+    if (bi >= plan.batches.size()) continue;
+    const BatchSpan& s = plan.batches[bi];
+    const std::int64_t tok = row - s.base;
+    if (tok < 0 || tok >= s.used) continue;  // tokens past seqused are never used
+    const float* bias = ape + ((s.sp + tok) % dm.r) * C;
+    float* score = proj + (row - proj_first) * 2 * C + C;
+    for (std::int64_t i = 0; i < C; ++i) score[i] += bias[i];
+  }
+}
+
+void forward_blocks(const BlockPlan& plan, const ForwardBlockIo& io, std::int64_t a, std::int64_t b,
+                    int num_threads) {
+  const Dims& dm = plan.dims;
+  const std::int64_t D = dm.D, C = dm.C, r = dm.r, coff = dm.coff, cr = coff * r;
+  const std::size_t first = first_batch_ending_after(plan, a);
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<const float*> src_kv(static_cast<std::size_t>(cr)), src_sc(static_cast<std::size_t>(cr));
+    std::vector<double> e(static_cast<std::size_t>(cr * kSlice));
+    double mx[kSlice], sum[kSlice], out[kSlice];
+#pragma omp for schedule(static)
+    for (std::int64_t slice = 0; slice < slices(dm); ++slice) {
+      const std::int64_t d0 = slice * kSlice, d1 = std::min(D, d0 + kSlice), w = d1 - d0;
+      for (std::size_t bi = first; bi < plan.batches.size() && plan.batches[bi].base < b; ++bi) {
+        const BatchSpan& s = plan.batches[bi];
+        const std::int64_t batch = static_cast<std::int64_t>(bi);
+        const LocalRange lr = local_range(s, a, b);
+        // 1. Cache writes of this batch's tokens in the chunk (spec 1.3).
+        const std::int64_t write_from = io.cache_mode == 1 ? s.sp : std::max(s.sp, s.limit - (coff - 1) * r);
+        for (std::int64_t tok = lr.lo; tok < std::min(lr.hi, s.used); ++tok) {
+          const std::int64_t pos = s.sp + tok;
+          if (pos < write_from) continue;
+          float* slot = cache_slot(io, batch, pos, true);
+          if (!slot) continue;
+          const float* src = io.proj + (s.base + tok - io.proj_first) * 2 * C;
+          for (std::int64_t c = 0; c < coff; ++c)
+            for (std::int64_t i = d0; i < d1; ++i) {
+              slot[c * D + i] = src[c * D + i];
+              slot[C + c * D + i] = src[C + c * D + i];
+            }
+        }
+        // 2. Blocks whose last cur row lies in the chunk.
+        if (s.nblocks == 0) continue;
+        const std::int64_t k_first = std::max(s.k0, (lr.lo + s.sp) / r);
+        const std::int64_t k_last = std::min(s.k0 + s.nblocks - 1, (lr.hi + s.sp) / r - 1);
+        for (std::int64_t k = k_first; k <= k_last; ++k) {
+          const std::int64_t orow = s.out_row + (k - s.k0);
+          for (std::int64_t t = 0; t < r; ++t)
+            for (std::int64_t c = 0; c < coff; ++c) {
+              const std::size_t j = static_cast<std::size_t>(t * coff + c);
+              const std::int64_t pos = slot_position(dm, k, c, t);
+              if (pos < 0) {  // no history: a placeholder with softmax weight exactly 0
+                src_kv[j] = src_sc[j] = nullptr;
+              } else if (pos < s.sp) {
+                const float* slot = cache_slot(io, batch, pos, false);
+                src_kv[j] = slot + c * D;
+                src_sc[j] = slot + C + c * D;
+              } else {
+                const float* row = io.proj + (s.base + pos - s.sp - io.proj_first) * 2 * C;
+                src_kv[j] = row + c * D;
+                src_sc[j] = row + C + c * D;
+              }
+            }
+          // Softmax over the rows of the block, per column, in float64.
+          for (std::int64_t i = 0; i < w; ++i) {
+            mx[i] = -std::numeric_limits<double>::infinity();
+            sum[i] = 0.0;
+            out[i] = 0.0;
+          }
+          for (std::int64_t j = 0; j < cr; ++j) {
+            if (!src_sc[static_cast<std::size_t>(j)]) continue;
+            for (std::int64_t i = 0; i < w; ++i)
+              mx[i] = std::fmax(mx[i], static_cast<double>(src_sc[static_cast<std::size_t>(j)][d0 + i]));
+          }
+          for (std::int64_t j = 0; j < cr; ++j) {
+            double* ej = e.data() + j * kSlice;
+            if (!src_sc[static_cast<std::size_t>(j)]) {
+              for (std::int64_t i = 0; i < w; ++i) ej[i] = 0.0;
+              continue;
+            }
+            for (std::int64_t i = 0; i < w; ++i) {
+              ej[i] = std::exp(static_cast<double>(src_sc[static_cast<std::size_t>(j)][d0 + i]) - mx[i]);
+              sum[i] += ej[i];
+            }
+          }
+          float* s_out = io.softmax_score ? io.softmax_score + orow * cr * D : nullptr;
+          float* k_out = io.kv ? io.kv + orow * cr * D : nullptr;
+          for (std::int64_t j = 0; j < cr; ++j) {
+            const float* kvj = src_kv[static_cast<std::size_t>(j)];
+            double* ej = e.data() + j * kSlice;
+            for (std::int64_t i = 0; i < w; ++i) {
+              const double sj = ej[i] / sum[i];
+              const float kval = kvj ? kvj[d0 + i] : 0.0f;
+              if (kvj) out[i] += sj * static_cast<double>(kval);
+              if (s_out) s_out[j * D + d0 + i] = kvj ? static_cast<float>(sj) : 0.0f;
+              if (k_out) k_out[j * D + d0 + i] = kval;
+            }
+          }
+          for (std::int64_t i = 0; i < w; ++i) {
+            const float v = static_cast<float>(out[i]);
+            const std::int64_t idx = orow * D + d0 + i;
+            switch (dm.io) {
+              case DType::bf16:
+                static_cast<std::uint16_t*>(io.cmp_kv)[idx] = float_to_bf16(v);
+                break;
+              case DType::f16:
+                static_cast<std::uint16_t*>(io.cmp_kv)[idx] = float_to_fp16(v);
+                break;
+              default:
+                static_cast<float*>(io.cmp_kv)[idx] = v;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+void to_f32(const void* src, DType dt, float* dst, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) dst[i] = load_io(src, dt, i);
+}
+
+void from_f32(const float* src, void* dst, DType dt, std::int64_t n) {
+  switch (dt) {
+    case DType::bf16:
+      for (std::int64_t i = 0; i < n; ++i) static_cast<std::uint16_t*>(dst)[i] = float_to_bf16(src[i]);
+      break;
+    case DType::f16:
+      for (std::int64_t i = 0; i < n; ++i) static_cast<std::uint16_t*>(dst)[i] = float_to_fp16(src[i]);
+      break;
+    default:
+      for (std::int64_t i = 0; i < n; ++i) static_cast<float*>(dst)[i] = src[i];
+  }
+}
+
+}  // namespace kvcomp::detail

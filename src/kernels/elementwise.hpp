@@ -1,0 +1,59 @@
+// The per-block element-wise phases, on one chunk of token rows [a, b).
+//
+// Both run parallel over column slices of D: every column is processed by
+// one thread in a fixed (batch, block, slot) order, so results, including the
+// d_ape sums, are bitwise independent of the thread count; and for the
+// forward, cache reads and writes of one column happen in the spec's batch
+// order (writes of a batch before the reads of its blocks).
+#pragma once
+
+#include <cstdint>
+
+#include "plan/block_plan.hpp"
+
+namespace kvcomp::detail {
+
+struct BackwardBlockInputs {
+  const void* d_cmp_kv = nullptr;        // io dtype [out_rows, D]
+  const float* softmax_score = nullptr;  // [out_rows, coff*r, D]
+  const float* kv = nullptr;             // [out_rows, coff*r, D]
+};
+
+// Fills dnew [b-a, 2C] (columns [0,C) d_new_kv, [C,2C) d_new_score; rows
+// without gradient are zero) and adds the chunk's dZ rows into dape [r, C]
+// (float64). npu_parity rounds dK / dZ to the io dtype (spec 6.1 step 7).
+void backward_blocks(const BlockPlan& plan, const BackwardBlockInputs& in, std::int64_t a, std::int64_t b,
+                     float* dnew, double* dape, bool npu_parity, int num_threads);
+
+struct ForwardBlockIo {
+  // Projections of global rows [proj_first, b): [rows, 2C], kv then score
+  // (score already holds + ape for used tokens).
+  const float* proj = nullptr;
+  std::int64_t proj_first = 0;
+  // State cache
+  float* cache = nullptr;
+  std::int64_t cache_stride0 = 0;  // elements
+  std::int64_t block_size = 0;
+  std::int64_t slot_width = 0;  // 2*C floats per slot: kv state then score state
+  const std::int32_t* block_table = nullptr;
+  std::int64_t table_cols = 1;
+  int cache_mode = 1;
+  // Outputs
+  void* cmp_kv = nullptr;          // io dtype [out_rows, D]
+  float* softmax_score = nullptr;  // may be null
+  float* kv = nullptr;             // may be null
+};
+
+// Adds ape to the score projections of used tokens of rows [a, b).
+void add_ape(const BlockPlan& plan, const float* ape, float* proj, std::int64_t proj_first, std::int64_t a,
+             std::int64_t b, int num_threads);
+
+// Cache writes of rows [a, b) and the blocks whose last row lies in [a, b).
+void forward_blocks(const BlockPlan& plan, const ForwardBlockIo& io, std::int64_t a, std::int64_t b,
+                    int num_threads);
+
+// Index of the first batch whose rows reach past `row` (batches are in row
+// order); plan.batches.size() if none.
+std::size_t first_batch_ending_after(const BlockPlan& plan, std::int64_t row);
+
+}  // namespace kvcomp::detail

@@ -1,0 +1,64 @@
+// The block plan: which compressed block covers which token rows, and which
+// rows of a block come from the state cache (spec sections 1.4, 1.7, 2.1).
+//
+// Blocks are aligned on the global position p = start_pos + s. Batch b owns
+// blocks k = sp/r .. limit/r - 1 with limit = trunc(sp + used, r); the first
+// one is partial when sp % r != 0 (its first sp % r cur slots are cache rows).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kvcomp/kvcomp.hpp"
+
+namespace kvcomp::detail {
+
+enum class Layout { bsh, th };
+
+// Everything the shapes say, derived once by validation.
+struct Dims {
+  Layout layout = Layout::bsh;
+  DType io = DType::bf16;
+  std::int64_t B = 0, S = 0, T = 0;  // S: BSH padded length; T: token rows of x
+  std::int64_t H = 0, D = 0, C = 0;  // C = coff * D
+  std::int64_t r = 0, coff = 1;
+  std::int64_t out_rows = 0;  // rows of cmp_kv / d_cmp_kv / softmax_score / kv (flattened)
+  std::int64_t rows_per_batch_bsh() const { return layout == Layout::bsh ? (S + r - 1) / r : 0; }
+  std::int64_t block_rows() const { return coff * r; }
+};
+
+struct BatchSpan {
+  std::int64_t base = 0;     // flat row of token s = 0
+  std::int64_t len = 0;      // tokens in x for this batch
+  std::int64_t sp = 0;       // start position
+  std::int64_t used = 0;     // seqused
+  std::int64_t limit = 0;    // trunc(sp + used, r): positions >= limit are the uncompressed tail
+  std::int64_t k0 = 0;       // first block index (global, = sp / r)
+  std::int64_t nblocks = 0;  // compressed blocks of this batch
+  std::int64_t out_row = 0;  // flat output row of its first block
+};
+
+struct BlockPlan {
+  Dims dims;
+  std::vector<BatchSpan> batches;
+  std::int64_t total_blocks = 0;
+
+  // Reads the sequence description (int32 host data, any may be null = absent)
+  // and checks the data rules of spec 4.4: cu_seqlens starts at 0, is
+  // non-decreasing and ends at T; 0 <= seqused <= len; start_pos >= 0 and
+  // start_pos + len fits in int32. Writes *out only on success.
+  static Status build(const Dims& dims, const std::int32_t* cu_seqlens, const std::int32_t* seqused,
+                      const std::int32_t* start_pos, BlockPlan* out);
+
+  // Number of output rows a given tensor needs (TH: total_blocks; BSH: the
+  // fixed ceil(S/r) per batch).
+  std::int64_t compressed_rows_needed() const;
+};
+
+// Row source of slot (half c, slot t) of block k in batch span `bs`:
+// position p = k*r + t - (coff-1-c)*r. Fresh when p >= sp.
+inline std::int64_t slot_position(const Dims& d, std::int64_t k, std::int64_t c, std::int64_t t) {
+  return k * d.r + t - (d.coff - 1 - c) * d.r;
+}
+
+}  // namespace kvcomp::detail

@@ -1,0 +1,353 @@
+#include "validate/validate.hpp"
+
+#include <algorithm>
+#include <limits>
+#include <sstream>
+#include <string>
+
+namespace kvcomp::detail {
+
+namespace {
+
+std::string shape_str(const Tensor& t) {
+  std::ostringstream os;
+  os << '[';
+  for (int i = 0; i < t.rank; ++i) os << (i ? "," : "") << t.shape[static_cast<std::size_t>(i)];
+  os << ']';
+  return os.str();
+}
+
+std::string shape_str(std::initializer_list<std::int64_t> dims) {
+  std::ostringstream os;
+  os << '[';
+  bool first = true;
+  for (auto d : dims) {
+    os << (first ? "" : ",") << d;
+    first = false;
+  }
+  os << ']';
+  return os.str();
+}
+
+Status fail(StatusCode code, const std::string& msg) { return {code, "[kvcomp] " + msg}; }
+Status null_ptr(const char* name) {
+  return fail(StatusCode::null_pointer, std::string(name) + " must not be null");
+}
+Status invalid(const std::string& msg) { return fail(StatusCode::invalid_param, msg); }
+Status shape(const std::string& msg) { return fail(StatusCode::shape_error, msg); }
+
+bool same_shape(const Tensor& t, std::initializer_list<std::int64_t> dims) {
+  if (t.rank != static_cast<int>(dims.size())) return false;
+  int i = 0;
+  for (auto d : dims)
+    if (t.shape[static_cast<std::size_t>(i++)] != d) return false;
+  return true;
+}
+
+Status check_shape(const char* name, const Tensor& t, std::initializer_list<std::int64_t> dims) {
+  if (same_shape(t, dims)) return Status::success();
+  return shape(std::string(name) + " (shape " + shape_str(t) + ") must have shape " + shape_str(dims));
+}
+
+Status check_rank_dtype(const char* name, const Tensor& t, DType dt, int rank) {
+  if (t.dtype != dt)
+    return invalid(std::string(name) + " (dtype " + dtype_name(t.dtype) + ") must have dtype " +
+                   dtype_name(dt));
+  if (t.rank != rank)
+    return invalid(std::string(name) + " (rank " + std::to_string(t.rank) + ") must have rank " +
+                   std::to_string(rank));
+  for (int i = 0; i < t.rank; ++i)
+    if (t.shape[static_cast<std::size_t>(i)] < 0)
+      return invalid(std::string(name) + " (shape " + shape_str(t) + ") must have non-negative dims");
+  if (t.numel() < 0 || t.numel() > std::numeric_limits<std::int64_t>::max() / 8)
+    return invalid(std::string(name) + " (shape " + shape_str(t) +
+                   ") must have a byte size that fits in int64");
+  return Status::success();
+}
+
+// A required tensor: non-null data (an empty tensor may have null data when
+// allow_empty_null is set).
+Status check_present(const char* name, const Tensor& t, bool allow_empty_null = false) {
+  if (t.data == nullptr && !(allow_empty_null && t.numel() == 0)) return null_ptr(name);
+  return Status::success();
+}
+
+Status check_optional_int(const char* name, const std::optional<Tensor>& t, std::int64_t len) {
+  if (!t) return Status::success();
+  if (t->data == nullptr && t->numel() != 0) return null_ptr(name);
+  if (auto s = check_rank_dtype(name, *t, DType::i32, 1); !s.ok()) return s;
+  if (t->dim(0) != len)
+    return shape(std::string(name) + " (shape " + shape_str(*t) + ") must have shape [" +
+                 std::to_string(len) + "]");
+  return Status::success();
+}
+
+bool is_io_dtype(DType dt, const Options& o) {
+  return dt == DType::bf16 || dt == DType::f16 || (dt == DType::f32 && o.profile == Profile::extended);
+}
+
+const std::int32_t* int_data(const std::optional<Tensor>& t) {
+  return t ? static_cast<const std::int32_t*>(t->data) : nullptr;
+}
+
+// Rules shared by both operators (SequenceArgs). Fills dims except out_rows.
+// forward_empty_ok: the forward accepts B = S = T = 0.
+Status validate_sequence(const SequenceArgs& a, const Options& o, bool forward, Dims* dims) {
+  if (auto s = check_present("x", a.x, forward); !s.ok()) return s;
+  if (auto s = check_present("wkv", a.wkv); !s.ok()) return s;
+  if (auto s = check_present("wgate", a.wgate); !s.ok()) return s;
+
+  if (a.x.rank != 2 && a.x.rank != 3)
+    return invalid("x (rank " + std::to_string(a.x.rank) +
+                   ") must have rank 2 ([T,H], TH) or 3 ([B,S,H], BSH)");
+  const Layout layout = a.x.rank == 3 ? Layout::bsh : Layout::th;
+  if (!is_io_dtype(a.x.dtype, o))
+    return invalid(std::string("x (dtype ") + dtype_name(a.x.dtype) + ") must be bf16 or fp16" +
+                   (o.profile == Profile::extended ? " (or f32)" : " under the aclnn profile"));
+  if (auto s = check_rank_dtype("x", a.x, a.x.dtype, a.x.rank); !s.ok()) return s;
+  if (auto s = check_rank_dtype("wkv", a.wkv, a.x.dtype, 2); !s.ok()) return s;
+  if (auto s = check_rank_dtype("wgate", a.wgate, a.x.dtype, 2); !s.ok()) return s;
+
+  if (layout == Layout::th && !a.cu_seqlens)
+    return invalid("cu_seqlens (= absent) must be given when x has rank 2 (TH layout)");
+  if (layout == Layout::bsh && a.cu_seqlens)
+    return invalid("cu_seqlens (= given) must be absent when x has rank 3 (BSH layout)");
+
+  const std::int64_t max_ratio = o.profile == Profile::aclnn ? 128 : 1024;
+  const std::int64_t min_ratio = o.profile == Profile::aclnn ? 2 : 1;
+  if (a.cmp_ratio < min_ratio || a.cmp_ratio > max_ratio)
+    return invalid("cmp_ratio (= " + std::to_string(a.cmp_ratio) + ") must be in [" +
+                   std::to_string(min_ratio) + ", " + std::to_string(max_ratio) + "]");
+  if (a.coff != 1 && a.coff != 2) return invalid("coff (= " + std::to_string(a.coff) + ") must be 1 or 2");
+
+  Dims d;
+  d.layout = layout;
+  d.io = a.x.dtype;
+  d.r = a.cmp_ratio;
+  d.coff = a.coff;
+  if (layout == Layout::bsh) {
+    d.B = a.x.dim(0);
+    d.S = a.x.dim(1);
+    d.H = a.x.dim(2);
+    d.T = d.B * d.S;
+  } else {
+    if (a.cu_seqlens->data == nullptr) return null_ptr("cu_seqlens");
+    if (auto s = check_rank_dtype("cu_seqlens", *a.cu_seqlens, DType::i32, 1); !s.ok()) return s;
+    if (a.cu_seqlens->dim(0) < 1)
+      return shape("cu_seqlens (shape " + shape_str(*a.cu_seqlens) + ") must have at least 1 element (B+1)");
+    d.B = a.cu_seqlens->dim(0) - 1;
+    d.T = a.x.dim(0);
+    d.H = a.x.dim(1);
+  }
+  if (a.wkv.dim(0) % a.coff != 0 || a.wkv.dim(0) == 0)
+    return shape("wkv rows (= " + std::to_string(a.wkv.dim(0)) +
+                 ") must be a positive multiple of coff (= " + std::to_string(a.coff) + ")");
+  d.D = a.wkv.dim(0) / a.coff;
+  d.C = a.wkv.dim(0);
+  if (o.profile == Profile::aclnn) {
+    if (d.D != 128 && d.D != 512)
+      return invalid("D = wkv rows / coff (= " + std::to_string(d.D) +
+                     ") must be 128 or 512 under the aclnn profile");
+    if (d.H < 1024 || d.H > 10240 || d.H % 512 != 0)
+      return invalid("H (= " + std::to_string(d.H) +
+                     ") must be in [1024, 10240] and a multiple of 512 under the aclnn profile");
+  } else if (d.H < 1) {
+    return invalid("H (= " + std::to_string(d.H) + ") must be >= 1");
+  }
+  if (auto s = check_shape("wkv", a.wkv, {d.C, d.H}); !s.ok()) return s;
+  if (auto s = check_shape("wgate", a.wgate, {d.C, d.H}); !s.ok()) return s;
+  if (auto s = check_optional_int("seqused", a.seqused, d.B); !s.ok()) return s;
+  if (auto s = check_optional_int("start_pos", a.start_pos, d.B); !s.ok()) return s;
+  if (d.T > std::numeric_limits<std::int32_t>::max())
+    return invalid("token count T (= " + std::to_string(d.T) + ") must fit in int32");
+  *dims = d;
+  return Status::success();
+}
+
+// Shapes of cmp_kv-like tensors ([.., D] with rank(x)) and intermediates
+// ([.., coff*r, D] with rank(x)+1). TH row counts are checked against the
+// plan later (they only need to cover the compressed blocks).
+Status check_compressed(const char* name, const Tensor& t, const Dims& d, bool intermediate) {
+  const std::int64_t cr = d.coff * d.r;
+  if (d.layout == Layout::bsh) {
+    const std::int64_t rows = d.rows_per_batch_bsh();
+    return intermediate ? check_shape(name, t, {d.B, rows, cr, d.D}) : check_shape(name, t, {d.B, rows, d.D});
+  }
+  const bool ok = intermediate ? (t.dim(1) == cr && t.dim(2) == d.D) : t.dim(1) == d.D;
+  if (ok) return Status::success();
+  return shape(std::string(name) + " (shape " + shape_str(t) + ") must have shape [rows, " +
+               (intermediate ? std::to_string(cr) + ", " : std::string()) + std::to_string(d.D) + "]");
+}
+
+Status check_th_rows(const char* name, const Tensor& t, const BlockPlan& plan) {
+  if (plan.dims.layout != Layout::th || t.dim(0) >= plan.total_blocks) return Status::success();
+  return invalid(std::string(name) + " rows (= " + std::to_string(t.dim(0)) + ") must be >= the number of " +
+                 "compressed blocks (= " + std::to_string(plan.total_blocks) + ")");
+}
+
+Status build_plan(const SequenceArgs& a, const Dims& d, BlockPlan* plan) {
+  return BlockPlan::build(d, int_data(a.cu_seqlens), int_data(a.seqused), int_data(a.start_pos), plan);
+}
+
+Status check_cache_tables(const ForwardArgs& a, const BlockPlan& plan) {
+  const Dims& d = plan.dims;
+  const std::int64_t block_num = a.state_cache.dim(0);
+  const std::int64_t bs = a.state_cache.dim(1);
+  const auto* table = static_cast<const std::int32_t*>(a.state_block_table->data);
+  auto check_id = [&](std::int64_t b, std::int64_t col, std::int64_t id) -> Status {
+    if (id >= 0 && id < block_num) return Status::success();
+    return invalid("state_block_table[" + std::to_string(b) +
+                   (a.cache_mode == 1 ? "][" + std::to_string(col) : "") + "] (= " + std::to_string(id) +
+                   ") must be a block id in [0, " + std::to_string(block_num) + ")");
+  };
+  std::int64_t max_len = 0;
+  for (const auto& s : plan.batches) max_len = std::max(max_len, s.len);
+  if (a.cache_mode == 2 && max_len > 0 && bs < d.coff * d.r + max_len - 1)
+    return invalid("state_cache block_size (= " + std::to_string(bs) +
+                   ") must be >= coff*cmp_ratio + S - 1 (= " + std::to_string(d.coff * d.r + max_len - 1) +
+                   ") in ring mode (cache_mode 2)");
+  const std::int64_t cols = a.cache_mode == 1 ? a.state_block_table->dim(1) : 1;
+  for (std::int64_t b = 0; b < d.B; ++b) {
+    const BatchSpan& s = plan.batches[static_cast<std::size_t>(b)];
+    // Positions touched: reads from k0*r - (coff-1)*r (clipped at 0) up to sp,
+    // writes from sp up to sp + used.
+    if (s.used == 0) continue;  // nothing written, and no block reads the cache
+    const std::int64_t lo = s.nblocks > 0 ? std::max<std::int64_t>(0, s.k0 * d.r - (d.coff - 1) * d.r) : s.sp;
+    const std::int64_t hi = s.sp + s.used;  // exclusive
+    if (a.cache_mode == 2) {
+      if (auto st = check_id(b, 0, table[b]); !st.ok()) return st;
+      continue;
+    }
+    const std::int64_t need_cols = (hi - 1) / bs + 1;
+    if (need_cols > cols)
+      return invalid("state_block_table columns (= " + std::to_string(cols) + ") must be >= " +
+                     std::to_string(need_cols) + " to cover positions up to " + std::to_string(hi - 1) +
+                     " of batch " + std::to_string(b) + " with block_size " + std::to_string(bs));
+    for (std::int64_t c = lo / bs; c < need_cols; ++c)
+      if (auto st = check_id(b, c, table[b * cols + c]); !st.ok()) return st;
+  }
+  return Status::success();
+}
+
+}  // namespace
+
+Status validate_forward(const ForwardArgs& a, const Options& o, BlockPlan* plan) {
+  if (auto s = check_present("state_cache", a.state_cache); !s.ok()) return s;
+  if (auto s = check_present("ape", a.ape); !s.ok()) return s;
+  if (!a.state_block_table) return null_ptr("state_block_table");
+  if (auto s = check_present("state_block_table", *a.state_block_table, true); !s.ok()) return s;
+  if (auto s = check_present("cmp_kv", a.cmp_kv, true); !s.ok()) return s;
+  if (a.grad_enabled) {
+    if (auto s = check_present("softmax_score", a.softmax_score, true); !s.ok()) return s;
+    if (auto s = check_present("kv", a.kv, true); !s.ok()) return s;
+  }
+  Dims d;
+  if (auto s = validate_sequence(a, o, true, &d); !s.ok()) return s;
+  if (auto s = check_rank_dtype("state_cache", a.state_cache, DType::f32, 3); !s.ok()) return s;
+  if (auto s = check_rank_dtype("ape", a.ape, DType::f32, 2); !s.ok()) return s;
+  if (a.cache_mode != 1 && a.cache_mode != 2)
+    return invalid("cache_mode (= " + std::to_string(a.cache_mode) + ") must be 1 (paged) or 2 (ring)");
+  if (auto s =
+          check_rank_dtype("state_block_table", *a.state_block_table, DType::i32, a.cache_mode == 1 ? 2 : 1);
+      !s.ok())
+    return s;
+  if (auto s = check_rank_dtype("cmp_kv", a.cmp_kv, d.io, a.x.rank); !s.ok()) return s;
+  const bool want_saved = a.grad_enabled || a.softmax_score.data || a.kv.data;
+  if (want_saved) {
+    if (auto s = check_rank_dtype("softmax_score", a.softmax_score, DType::f32, a.x.rank + 1); !s.ok())
+      return s;
+    if (auto s = check_rank_dtype("kv", a.kv, DType::f32, a.x.rank + 1); !s.ok()) return s;
+  }
+  const std::int64_t bs = a.state_cache.dim(1);
+  if (a.state_cache.dim(0) < 1 || bs < 1)
+    return shape("state_cache (shape " + shape_str(a.state_cache) + ") must not be empty");
+  if (o.profile == Profile::aclnn && bs > 1024)
+    return invalid("state_cache block_size (= " + std::to_string(bs) + ") must be in [1, 1024]");
+  if (a.state_cache.dim(2) != 2 * d.C)
+    return shape("state_cache (shape " + shape_str(a.state_cache) +
+                 ") must have last dim 2*coff*D = " + std::to_string(2 * d.C));
+  if (a.state_cache_stride0 != 0 && a.state_cache_stride0 < bs * 2 * d.C)
+    return invalid("state_cache_stride0 (= " + std::to_string(a.state_cache_stride0) +
+                   ") must be 0 (contiguous) or >= block_size*2*coff*D (= " + std::to_string(bs * 2 * d.C) +
+                   ")");
+  if (auto s = check_shape("ape", a.ape, {d.r, d.C}); !s.ok()) return s;
+  if (a.state_block_table->dim(0) != d.B)
+    return shape("state_block_table (shape " + shape_str(*a.state_block_table) + ") must have " +
+                 std::to_string(d.B) + " rows (B)");
+  if (a.cache_mode == 2 && a.state_cache.dim(0) < d.B)
+    return shape("state_cache blocks (= " + std::to_string(a.state_cache.dim(0)) +
+                 ") must be >= B (= " + std::to_string(d.B) + ") in ring mode");
+  if (auto s = check_compressed("cmp_kv", a.cmp_kv, d, false); !s.ok()) return s;
+  if (want_saved) {
+    if (auto s = check_compressed("softmax_score", a.softmax_score, d, true); !s.ok()) return s;
+    if (auto s = check_compressed("kv", a.kv, d, true); !s.ok()) return s;
+    if (a.softmax_score.dim(0) != a.kv.dim(0) || a.softmax_score.dim(0) != a.cmp_kv.dim(0))
+      return shape("softmax_score (shape " + shape_str(a.softmax_score) + ") and kv (shape " +
+                   shape_str(a.kv) + ") must have as many rows as cmp_kv (shape " + shape_str(a.cmp_kv) +
+                   ")");
+  }
+  d.out_rows = d.layout == Layout::bsh ? d.B * d.rows_per_batch_bsh() : a.cmp_kv.dim(0);
+  BlockPlan p;
+  if (auto s = build_plan(a, d, &p); !s.ok()) return s;
+  if (auto s = check_th_rows("cmp_kv", a.cmp_kv, p); !s.ok()) return s;
+  if (auto s = check_cache_tables(a, p); !s.ok()) return s;
+  *plan = std::move(p);
+  return Status::success();
+}
+
+Status validate_backward(const BackwardArgs& a, const Options& o, BlockPlan* plan) {
+  const std::pair<const char*, const Tensor*> required[] = {{"d_cmp_kv", &a.d_cmp_kv},
+                                                            {"softmax_score", &a.softmax_score},
+                                                            {"kv", &a.kv},
+                                                            {"d_x", &a.d_x},
+                                                            {"d_wkv", &a.d_wkv},
+                                                            {"d_wgate", &a.d_wgate},
+                                                            {"d_ape", &a.d_ape}};
+  for (const auto& [name, t] : required)
+    if (auto s = check_present(name, *t); !s.ok()) return s;
+  Dims d;
+  if (auto s = validate_sequence(a, o, false, &d); !s.ok()) return s;
+  if (auto s = check_rank_dtype("d_cmp_kv", a.d_cmp_kv, d.io, a.x.rank); !s.ok()) return s;
+  if (auto s = check_rank_dtype("softmax_score", a.softmax_score, DType::f32, a.x.rank + 1); !s.ok())
+    return s;
+  if (auto s = check_rank_dtype("kv", a.kv, DType::f32, a.x.rank + 1); !s.ok()) return s;
+  if (auto s = check_rank_dtype("d_x", a.d_x, d.io, a.x.rank); !s.ok()) return s;
+  if (auto s = check_rank_dtype("d_wkv", a.d_wkv, d.io, 2); !s.ok()) return s;
+  if (auto s = check_rank_dtype("d_wgate", a.d_wgate, d.io, 2); !s.ok()) return s;
+  if (auto s = check_rank_dtype("d_ape", a.d_ape, DType::f32, 2); !s.ok()) return s;
+  const std::pair<const char*, const Tensor*> non_empty[] = {{"x", &a.x},
+                                                             {"wkv", &a.wkv},
+                                                             {"wgate", &a.wgate},
+                                                             {"d_cmp_kv", &a.d_cmp_kv},
+                                                             {"softmax_score", &a.softmax_score},
+                                                             {"kv", &a.kv},
+                                                             {"d_x", &a.d_x},
+                                                             {"d_wkv", &a.d_wkv},
+                                                             {"d_wgate", &a.d_wgate},
+                                                             {"d_ape", &a.d_ape}};
+  for (const auto& [name, t] : non_empty)
+    if (t->numel() == 0)
+      return shape(std::string(name) + " (shape " + shape_str(*t) +
+                   ") must not be empty (the backward has no empty-tensor path)");
+  if (auto s = check_compressed("d_cmp_kv", a.d_cmp_kv, d, false); !s.ok()) return s;
+  if (auto s = check_compressed("softmax_score", a.softmax_score, d, true); !s.ok()) return s;
+  if (auto s = check_compressed("kv", a.kv, d, true); !s.ok()) return s;
+  if (d.layout == Layout::bsh) {
+    if (auto s = check_shape("d_x", a.d_x, {d.B, d.S, d.H}); !s.ok()) return s;
+  } else if (auto s = check_shape("d_x", a.d_x, {d.T, d.H}); !s.ok()) {
+    return s;
+  }
+  if (auto s = check_shape("d_wkv", a.d_wkv, {d.C, d.H}); !s.ok()) return s;
+  if (auto s = check_shape("d_wgate", a.d_wgate, {d.C, d.H}); !s.ok()) return s;
+  if (auto s = check_shape("d_ape", a.d_ape, {d.r, d.C}); !s.ok()) return s;
+  d.out_rows = d.layout == Layout::bsh ? d.B * d.rows_per_batch_bsh() : a.d_cmp_kv.dim(0);
+  BlockPlan p;
+  if (auto s = build_plan(a, d, &p); !s.ok()) return s;
+  if (auto s = check_th_rows("d_cmp_kv", a.d_cmp_kv, p); !s.ok()) return s;
+  if (auto s = check_th_rows("softmax_score", a.softmax_score, p); !s.ok()) return s;
+  if (auto s = check_th_rows("kv", a.kv, p); !s.ok()) return s;
+  *plan = std::move(p);
+  return Status::success();
+}
+
+}  // namespace kvcomp::detail

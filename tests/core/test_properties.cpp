@@ -1,0 +1,174 @@
+// Properties that hold for every input: determinism across thread counts, the
+// no-block case, the forward-to-backward chain, the two-phase contract.
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "harness.hpp"
+
+namespace kvcomp::test {
+namespace {
+
+RandomOptions chunked_case() {
+  RandomOptions o;
+  o.th = true;
+  o.B = 5;
+  o.S = 700;  // ~1750 tokens: more than one chunk of rows
+  o.H = 40;
+  o.D = 40;  // three column slices of 16
+  o.coff = 2;
+  o.r = 4;
+  o.max_start_pos = 9;
+  return o;
+}
+
+template <typename T>
+bool bitwise_equal(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+TEST(Determinism, BackwardBitwiseAcrossThreadCounts) {
+  auto rc = make_random_case(chunked_case(), 5);
+  round_io_inputs(rc.in, DType::bf16);
+  const BackwardData bd = make_backward_data(rc.problem, rc.in, DType::bf16, 11);
+  BackwardRun base(rc.problem, rc.in, bd, DType::bf16);
+  Options o;
+  o.num_threads = 1;
+  ASSERT_TRUE(base.run(o).ok());
+  for (int threads : {2, 3, 4, 7}) {
+    BackwardRun again(rc.problem, rc.in, bd, DType::bf16);
+    o.num_threads = threads;
+    ASSERT_TRUE(again.run(o).ok());
+    EXPECT_TRUE(bitwise_equal(base.d_x.half, again.d_x.half)) << threads << " threads";
+    EXPECT_TRUE(bitwise_equal(base.d_wkv.half, again.d_wkv.half)) << threads << " threads";
+    EXPECT_TRUE(bitwise_equal(base.d_wgate.half, again.d_wgate.half)) << threads << " threads";
+    EXPECT_TRUE(bitwise_equal(base.d_ape.f32, again.d_ape.f32)) << threads << " threads";
+  }
+  // And run to run with the default thread count.
+  BackwardRun r1(rc.problem, rc.in, bd, DType::bf16), r2(rc.problem, rc.in, bd, DType::bf16);
+  ASSERT_TRUE(r1.run().ok());
+  ASSERT_TRUE(r2.run().ok());
+  EXPECT_TRUE(bitwise_equal(r1.d_wkv.half, r2.d_wkv.half));
+  EXPECT_TRUE(bitwise_equal(r1.d_x.half, base.d_x.half));
+}
+
+TEST(Determinism, ForwardBitwiseAcrossThreadCounts) {
+  auto rc = make_random_case(chunked_case(), 6);
+  round_io_inputs(rc.in, DType::f16);
+  ForwardRun base(rc.problem, rc.in, DType::f16);
+  Options o;
+  o.num_threads = 1;
+  ASSERT_TRUE(base.run(o).ok());
+  for (int threads : {2, 3, 5}) {
+    ForwardRun again(rc.problem, rc.in, DType::f16);
+    o.num_threads = threads;
+    ASSERT_TRUE(again.run(o).ok());
+    EXPECT_TRUE(bitwise_equal(base.cmp_kv.half, again.cmp_kv.half)) << threads << " threads";
+    EXPECT_TRUE(bitwise_equal(base.softmax_score.f32, again.softmax_score.f32)) << threads << " threads";
+    EXPECT_TRUE(bitwise_equal(base.kv.f32, again.kv.f32)) << threads << " threads";
+    EXPECT_TRUE(bitwise_equal(base.cache.f32, again.cache.f32)) << threads << " threads";
+  }
+}
+
+// Spec 2.7: no compressed block at all => four all-zero outputs, even though
+// the output memory held other values before the call.
+TEST(NoBlocks, BackwardWritesZeros) {
+  RandomOptions o;
+  o.B = 2;
+  o.S = 6;
+  o.r = 4;
+  o.start_pos = {1, 2};
+  o.seqused = {2, 1};  // sp + used = 3: below the first block boundary (4)
+  auto rc = make_random_case(o, 3);
+  round_io_inputs(rc.in, DType::bf16);
+  const BackwardData bd = make_backward_data(rc.problem, rc.in, DType::bf16, 4);
+  BackwardRun run(rc.problem, rc.in, bd, DType::bf16);
+  ASSERT_TRUE(run.run().ok());
+  for (const Buffer* b : {&run.d_x, &run.d_wkv, &run.d_wgate, &run.d_ape}) {
+    const auto v = b->values();
+    for (double e : v) ASSERT_EQ(e, 0.0);
+  }
+  // The oracle agrees.
+  const auto g = backward_goldens(rc.problem, rc.in, bd, DType::bf16);
+  for (double e : g.high.d_wkv) ASSERT_EQ(e, 0.0);
+}
+
+// The library's own forward intermediates fed into its backward equal the
+// oracle chain (forward then backward, both float64).
+TEST(Chain, ForwardIntermediatesIntoBackward) {
+  for (int coff : {1, 2}) {
+    RandomOptions o;
+    o.th = coff == 2;
+    o.B = 3;
+    o.S = 23;
+    o.H = 32;
+    o.D = 24;
+    o.coff = coff;
+    o.r = 5;
+    o.max_start_pos = 12;
+    auto rc = make_random_case(o, 17 + static_cast<std::uint64_t>(coff));
+    const DType io = DType::bf16;
+    round_io_inputs(rc.in, io);
+    const ref::Problem& p = rc.problem;
+    ForwardRun fwd(p, rc.in, io);
+    ASSERT_TRUE(fwd.run().ok());
+    // Upstream gradient and the intermediates our forward exported.
+    BackwardData bd = make_backward_data(p, rc.in, io, 23);
+    bd.softmax_score = fwd.softmax_score.values();
+    bd.kv = fwd.kv.values();
+    BackwardRun bwd(p, rc.in, bd, io);
+    ASSERT_TRUE(bwd.run().ok());
+    // Oracle chain: float64 forward intermediates into the float64 backward.
+    const BackwardData oracle = make_backward_data(p, rc.in, io, 23);
+    const auto g = backward_goldens(p, rc.in, oracle, io);
+    KVCOMP_EXPECT_THREE_WAY("chain d_x", bwd.d_x.values(), g.same.d_x, g.high.d_x, io);
+    KVCOMP_EXPECT_THREE_WAY("chain d_wkv", bwd.d_wkv.values(), g.same.d_wkv, g.high.d_wkv, io);
+    KVCOMP_EXPECT_THREE_WAY("chain d_wgate", bwd.d_wgate.values(), g.same.d_wgate, g.high.d_wgate, io);
+    KVCOMP_EXPECT_THREE_WAY("chain d_ape", bwd.d_ape.values(), g.same.d_ape, g.high.d_ape, DType::f32);
+  }
+}
+
+TEST(TwoPhase, WorkspaceTooSmallIsRejectedAndWritesNothing) {
+  RandomOptions o;
+  auto rc = make_random_case(o, 8);
+  round_io_inputs(rc.in, DType::bf16);
+  const BackwardData bd = make_backward_data(rc.problem, rc.in, DType::bf16, 9);
+  BackwardRun run(rc.problem, rc.in, bd, DType::bf16);
+  BackwardPlan plan;
+  ASSERT_TRUE(plan_backward(run.args, {}, &plan).ok());
+  ASSERT_GT(plan.workspace_size(), 0u);
+  std::vector<unsigned char> ws(plan.workspace_size());
+  const auto before = run.d_x.half;
+  const Status s = execute(plan, ws.data(), plan.workspace_size() - 1);
+  EXPECT_EQ(s.code, StatusCode::invalid_param);
+  EXPECT_NE(s.message.find("workspace_size"), std::string::npos) << s.message;
+  EXPECT_EQ(run.d_x.half, before);
+  // The right size works, and twice in a row gives the same bits.
+  ASSERT_TRUE(execute(plan, ws.data(), ws.size()).ok());
+  const auto first = run.d_x.half;
+  ASSERT_TRUE(execute(plan, ws.data(), ws.size()).ok());
+  EXPECT_EQ(run.d_x.half, first);
+}
+
+TEST(TwoPhase, WorkspaceDoesNotGrowWithTokens) {
+  RandomOptions o;
+  o.th = true;
+  o.B = 1;
+  o.allow_empty_segments = false;
+  std::size_t sizes[2];
+  int i = 0;
+  for (std::int32_t len : {3000, 30000}) {
+    o.lengths = {len};
+    o.S = len;
+    auto rc = make_random_case(o, 1);
+    const BackwardData bd = make_backward_data(rc.problem, rc.in, DType::bf16, 2);
+    BackwardRun run(rc.problem, rc.in, bd, DType::bf16);
+    BackwardPlan plan;
+    ASSERT_TRUE(plan_backward(run.args, {}, &plan).ok());
+    sizes[i++] = plan.workspace_size();
+  }
+  EXPECT_EQ(sizes[0], sizes[1]);
+}
+
+}  // namespace
+}  // namespace kvcomp::test
