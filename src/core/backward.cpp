@@ -12,26 +12,45 @@ namespace kvcomp::detail {
 namespace {
 
 struct BackwardBuffers {
-  float* wcat;   // [2C, H]: wkv rows then wgate rows, fp32
-  float* dwcat;  // [2C, H]: d_wkv rows then d_wgate rows, fp32 accumulators
-  float* xf;     // [R, H]: the chunk's x rows in fp32 (rows without gradient zeroed)
-  float* dnew;   // [R, 2C]: d_new_kv | d_new_score
-  float* dxf;    // [R, H]: d_x of the chunk before narrowing
-  double* dape;  // [r, C]
+  std::int64_t R, ld_h, ld_c2, ld_r;  // chunk rows and padded leading dimensions
+  float* wcat;                        // [2C, ld_h]: wkv rows then wgate rows, fp32
+  float* dwcat;                       // [2C, ld_h]: d_wkv rows then d_wgate rows, fp32 accumulators
+  float* xf;                          // [R, ld_h]: the chunk's x rows in fp32 (rows without gradient zeroed)
+  float* dnew;                        // [R, ld_c2]: d_new_kv | d_new_score
+  float* dnew_t;  // [2C, ld_r]: its transpose (oneDNN's transposed-A path runs at half speed)
+  float* dxf;     // [R, ld_h]: d_x of the chunk before narrowing
+  double* dape;   // [r, C]
+  std::size_t size;
 
   BackwardBuffers(const Dims& d, void* base) {
     WorkspaceLayout ws(base);
-    const std::int64_t R = std::min(kChunkRows, std::max<std::int64_t>(d.T, 1));
-    wcat = ws.take<float>(2 * d.C * d.H);
-    dwcat = ws.take<float>(2 * d.C * d.H);
-    xf = ws.take<float>(R * d.H);
-    dnew = ws.take<float>(R * 2 * d.C);
-    dxf = ws.take<float>(R * d.H);
+    R = std::min(kChunkRows, std::max<std::int64_t>(d.T, 1));
+    ld_h = padded_ld(d.H);
+    ld_c2 = padded_ld(2 * d.C);
+    ld_r = padded_ld(R);
+    wcat = ws.take<float>(2 * d.C * ld_h);
+    dwcat = ws.take<float>(2 * d.C * ld_h);
+    xf = ws.take<float>(R * ld_h);
+    dnew = ws.take<float>(R * ld_c2);
+    dnew_t = ws.take<float>(2 * d.C * ld_r);
+    dxf = ws.take<float>(R * ld_h);
     dape = ws.take<double>(d.r * d.C);
     size = ws.size();
   }
-  std::size_t size;
 };
+
+// dst[c, i] = src[i, c]; cache-blocked, parallel over column blocks. A pure
+// copy: no rounding, so the thread count cannot matter.
+void transpose(const float* src, std::int64_t rows, std::int64_t cols, std::int64_t ld_src, float* dst,
+               std::int64_t ld_dst, int num_threads) {
+  constexpr std::int64_t kBlock = 32;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (std::int64_t c0 = 0; c0 < cols; c0 += kBlock)
+    for (std::int64_t r0 = 0; r0 < rows; r0 += kBlock)
+      for (std::int64_t c = c0; c < std::min(cols, c0 + kBlock); ++c)
+        for (std::int64_t i = r0; i < std::min(rows, r0 + kBlock); ++i)
+          dst[c * ld_dst + i] = src[i * ld_src + c];
+}
 
 // Rows of [a, b) that receive gradient: tokens inside their batch's
 // compressed region (s < limit - sp). Everything else gets an exact zero row.
@@ -46,6 +65,10 @@ void mark_gradient_rows(const BlockPlan& plan, std::int64_t a, std::int64_t b, s
   }
 }
 
+void zero_bytes(void* p, std::int64_t elements, std::size_t elem_size) {
+  std::memset(p, 0, static_cast<std::size_t>(elements) * elem_size);
+}
+
 }  // namespace
 
 std::size_t backward_workspace_size(const Dims& d) { return BackwardBuffers(d, nullptr).size; }
@@ -54,36 +77,42 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
                     void* workspace) {
   const Dims& d = plan.dims;
   const std::int64_t H = d.H, C = d.C;
-  BackwardBuffers buf(d, WorkspaceLayout::align(workspace));
+  const std::size_t io_size = dtype_size(d.io);
 
   if (plan.total_blocks == 0) {  // spec 2.7: four all-zero outputs, whatever the memory held
-    std::memset(args.d_x.data, 0, static_cast<std::size_t>(args.d_x.numel()) * dtype_size(d.io));
-    std::memset(args.d_wkv.data, 0, static_cast<std::size_t>(args.d_wkv.numel()) * dtype_size(d.io));
-    std::memset(args.d_wgate.data, 0, static_cast<std::size_t>(args.d_wgate.numel()) * dtype_size(d.io));
-    std::memset(args.d_ape.data, 0, static_cast<std::size_t>(args.d_ape.numel()) * sizeof(float));
+    zero_bytes(args.d_x.data, args.d_x.numel(), io_size);
+    zero_bytes(args.d_wkv.data, args.d_wkv.numel(), io_size);
+    zero_bytes(args.d_wgate.data, args.d_wgate.numel(), io_size);
+    zero_bytes(args.d_ape.data, args.d_ape.numel(), sizeof(float));
     return Status::success();
   }
 
-  to_f32(args.wkv.data, d.io, buf.wcat, C * H);
-  to_f32(args.wgate.data, d.io, buf.wcat + C * H, C * H);
+  BackwardBuffers buf(d, WorkspaceLayout::align(workspace));
+  const auto* wkv = static_cast<const unsigned char*>(args.wkv.data);
+  const auto* wgate = static_cast<const unsigned char*>(args.wgate.data);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (std::int64_t c = 0; c < C; ++c) {
+    to_f32(wkv + static_cast<std::size_t>(c * H) * io_size, d.io, buf.wcat + c * buf.ld_h, H);
+    to_f32(wgate + static_cast<std::size_t>(c * H) * io_size, d.io, buf.wcat + (C + c) * buf.ld_h, H);
+  }
   std::fill(buf.dape, buf.dape + d.r * C, 0.0);
-  std::fill(buf.dwcat, buf.dwcat + 2 * C * H, 0.0f);
+  std::fill(buf.dwcat, buf.dwcat + 2 * C * buf.ld_h, 0.0f);
 
   const BackwardBlockInputs in{args.d_cmp_kv.data, static_cast<const float*>(args.softmax_score.data),
                                static_cast<const float*>(args.kv.data)};
   const bool parity = precision == Precision::npu_parity;
-  const std::size_t io_size = dtype_size(d.io);
-  std::vector<char> mark(static_cast<std::size_t>(std::min(kChunkRows, d.T)));
+  std::vector<char> mark(static_cast<std::size_t>(buf.R));
   for (std::int64_t a = 0; a < d.T; a += kChunkRows) {
     const std::int64_t b = std::min(d.T, a + kChunkRows), n = b - a;
     mark_gradient_rows(plan, a, b, mark);
     auto* dx_rows = static_cast<unsigned char*>(args.d_x.data) + static_cast<std::size_t>(a * H) * io_size;
     if (std::none_of(mark.begin(), mark.begin() + n, [](char m) { return m != 0; })) {
-      std::memset(dx_rows, 0, static_cast<std::size_t>(n * H) * io_size);
+      zero_bytes(dx_rows, n * H, io_size);
       continue;
     }
-    std::fill(buf.dnew, buf.dnew + n * 2 * C, 0.0f);
-    backward_blocks(plan, in, a, b, buf.dnew, buf.dape, parity, num_threads);
+    for (std::int64_t i = 0; i < n; ++i)
+      std::fill(buf.dnew + i * buf.ld_c2, buf.dnew + i * buf.ld_c2 + 2 * C, 0.0f);
+    backward_blocks(plan, in, a, b, buf.dnew, buf.ld_c2, buf.dape, parity, num_threads);
 
     // x rows without gradient are zeroed so that 0 * Inf/NaN in them cannot
     // leak into d_wkv / d_wgate (the NPU kernel does the same).
@@ -91,7 +120,7 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
         static_cast<const unsigned char*>(args.x.data) + static_cast<std::size_t>(a * H) * io_size;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (std::int64_t i = 0; i < n; ++i) {
-      float* dst = buf.xf + i * H;
+      float* dst = buf.xf + i * buf.ld_h;
       if (mark[static_cast<std::size_t>(i)])
         to_f32(x_rows + static_cast<std::size_t>(i * H) * io_size, d.io, dst, H);
       else
@@ -99,24 +128,31 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
     }
 
     // d_x rows = [d_new_kv | d_new_score] . [wkv ; wgate]
-    float* dx_out = d.io == DType::f32 ? reinterpret_cast<float*>(dx_rows) : buf.dxf;
-    if (!gemm_f32(n, H, 2 * C, {buf.dnew, 2 * C, false}, {buf.wcat, H, false}, dx_out, H, false, num_threads))
+    if (!gemm_f32(n, H, 2 * C, {buf.dnew, buf.ld_c2, false}, {buf.wcat, buf.ld_h, false}, buf.dxf, buf.ld_h,
+                  false, num_threads))
       return {StatusCode::runtime_error, "[kvcomp] oneDNN matmul for d_x failed"};
     // [d_wkv ; d_wgate] += [d_new_kv | d_new_score]^T . x
-    if (!gemm_f32(2 * C, H, n, {buf.dnew, 2 * C, true}, {buf.xf, H, false}, buf.dwcat, H, a > 0, num_threads))
+    transpose(buf.dnew, n, 2 * C, buf.ld_c2, buf.dnew_t, buf.ld_r, num_threads);
+    if (!gemm_f32(2 * C, H, n, {buf.dnew_t, buf.ld_r, false}, {buf.xf, buf.ld_h, false}, buf.dwcat, buf.ld_h,
+                  a > 0, num_threads))
       return {StatusCode::runtime_error, "[kvcomp] oneDNN matmul for d_wkv/d_wgate failed"};
 
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (std::int64_t i = 0; i < n; ++i) {
       unsigned char* dst = dx_rows + static_cast<std::size_t>(i * H) * io_size;
-      if (!mark[static_cast<std::size_t>(i)])
-        std::memset(dst, 0, static_cast<std::size_t>(H) * io_size);
-      else if (d.io != DType::f32)
-        from_f32(buf.dxf + i * H, dst, d.io, H);
+      if (mark[static_cast<std::size_t>(i)])
+        from_f32(buf.dxf + i * buf.ld_h, dst, d.io, H);
+      else
+        zero_bytes(dst, H, io_size);
     }
   }
-  from_f32(buf.dwcat, args.d_wkv.data, d.io, C * H);
-  from_f32(buf.dwcat + C * H, args.d_wgate.data, d.io, C * H);
+  auto* dwkv = static_cast<unsigned char*>(args.d_wkv.data);
+  auto* dwgate = static_cast<unsigned char*>(args.d_wgate.data);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (std::int64_t c = 0; c < C; ++c) {
+    from_f32(buf.dwcat + c * buf.ld_h, dwkv + static_cast<std::size_t>(c * H) * io_size, d.io, H);
+    from_f32(buf.dwcat + (C + c) * buf.ld_h, dwgate + static_cast<std::size_t>(c * H) * io_size, d.io, H);
+  }
   auto* dape = static_cast<float*>(args.d_ape.data);
   for (std::int64_t i = 0; i < d.r * C; ++i) dape[i] = static_cast<float>(buf.dape[i]);
   return Status::success();

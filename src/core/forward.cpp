@@ -11,17 +11,20 @@ namespace kvcomp::detail {
 namespace {
 
 struct ForwardBuffers {
-  float* wcat;  // [2C, H]: wkv rows then wgate rows, fp32
-  float* xf;    // [R, H]: the chunk's x rows in fp32
-  float* proj;  // [coff*r + R, 2C]: projections (kv | score+ape) of the chunk and the rows before it
+  std::int64_t ld_h, ld_c2;  // padded leading dimensions
+  float* wcat;               // [2C, ld_h]: wkv rows then wgate rows, fp32
+  float* xf;                 // [R, ld_h]: the chunk's x rows in fp32
+  float* proj;  // [coff*r + R, ld_c2]: projections (kv | score+ape) of the chunk and the rows before it
   std::size_t size;
 
   ForwardBuffers(const Dims& d, void* base) {
     WorkspaceLayout ws(base);
     const std::int64_t R = std::min(kChunkRows, std::max<std::int64_t>(d.T, 1));
-    wcat = ws.take<float>(2 * d.C * d.H);
-    xf = ws.take<float>(R * d.H);
-    proj = ws.take<float>((d.coff * d.r + R) * 2 * d.C);
+    ld_h = padded_ld(d.H);
+    ld_c2 = padded_ld(2 * d.C);
+    wcat = ws.take<float>(2 * d.C * ld_h);
+    xf = ws.take<float>(R * ld_h);
+    proj = ws.take<float>((d.coff * d.r + R) * ld_c2);
     size = ws.size();
   }
 };
@@ -57,8 +60,14 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
   if (d.T == 0) return Status::success();  // empty input: nothing computed, cache untouched
   const std::int64_t H = d.H, C = d.C;
   ForwardBuffers buf(d, WorkspaceLayout::align(workspace));
-  to_f32(args.wkv.data, d.io, buf.wcat, C * H);
-  to_f32(args.wgate.data, d.io, buf.wcat + C * H, C * H);
+  const std::size_t io_size = dtype_size(d.io);
+  const auto* wkv = static_cast<const unsigned char*>(args.wkv.data);
+  const auto* wgate = static_cast<const unsigned char*>(args.wgate.data);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (std::int64_t c = 0; c < C; ++c) {
+    to_f32(wkv + static_cast<std::size_t>(c * H) * io_size, d.io, buf.wcat + c * buf.ld_h, H);
+    to_f32(wgate + static_cast<std::size_t>(c * H) * io_size, d.io, buf.wcat + (C + c) * buf.ld_h, H);
+  }
   zero_padding_rows(args, plan);
 
   ForwardBlockIo io;
@@ -73,26 +82,27 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
   io.softmax_score = args.grad_enabled ? static_cast<float*>(args.softmax_score.data) : nullptr;
   io.kv = args.grad_enabled ? static_cast<float*>(args.kv.data) : nullptr;
 
-  const std::size_t io_size = dtype_size(d.io);
+  io.proj_ld = buf.ld_c2;
   const std::int64_t carry = d.coff * d.r;  // rows of the previous chunk a block may still need
   std::int64_t prev_first = 0;
   for (std::int64_t a = 0; a < d.T; a += kChunkRows) {
     const std::int64_t b = std::min(d.T, a + kChunkRows), n = b - a;
     const std::int64_t first = std::max<std::int64_t>(0, a - carry);
     if (a > 0)
-      std::memmove(buf.proj, buf.proj + (first - prev_first) * 2 * C,
-                   static_cast<std::size_t>((a - first) * 2 * C) * sizeof(float));
+      std::memmove(buf.proj, buf.proj + (first - prev_first) * buf.ld_c2,
+                   static_cast<std::size_t>((a - first) * buf.ld_c2) * sizeof(float));
     prev_first = first;
-    float* rows = buf.proj + (a - first) * 2 * C;
+    float* rows = buf.proj + (a - first) * buf.ld_c2;
     const auto* x_rows =
         static_cast<const unsigned char*>(args.x.data) + static_cast<std::size_t>(a * H) * io_size;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (std::int64_t i = 0; i < n; ++i)
-      to_f32(x_rows + static_cast<std::size_t>(i * H) * io_size, d.io, buf.xf + i * H, H);
+      to_f32(x_rows + static_cast<std::size_t>(i * H) * io_size, d.io, buf.xf + i * buf.ld_h, H);
     // [new_kv | new_score] = x . [wkv ; wgate]^T
-    if (!gemm_f32(n, 2 * C, H, {buf.xf, H, false}, {buf.wcat, H, true}, rows, 2 * C, false, num_threads))
+    if (!gemm_f32(n, 2 * C, H, {buf.xf, buf.ld_h, false}, {buf.wcat, buf.ld_h, true}, rows, buf.ld_c2, false,
+                  num_threads))
       return {StatusCode::runtime_error, "[kvcomp] oneDNN matmul for the projections failed"};
-    add_ape(plan, static_cast<const float*>(args.ape.data), buf.proj, first, a, b, num_threads);
+    add_ape(plan, static_cast<const float*>(args.ape.data), buf.proj, first, buf.ld_c2, a, b, num_threads);
     io.proj = buf.proj;
     io.proj_first = first;
     forward_blocks(plan, io, a, b, num_threads);

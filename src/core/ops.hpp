@@ -13,6 +13,12 @@ namespace kvcomp::detail {
 // results do not depend on anything but the inputs.
 constexpr std::int64_t kChunkRows = 1024;
 
+// Leading dimension of our fp32 work matrices: a multiple of 16 floats plus
+// 16, never a multiple of a large power of two. With ld = 4096 floats every
+// row of a tile maps to the same cache sets and oneDNN's sgemm ran at half
+// speed (measured: 70 vs 145 GFLOP/s on 2 cores).
+inline std::int64_t padded_ld(std::int64_t n) { return (n + 15) / 16 * 16 + 16; }
+
 std::size_t forward_workspace_size(const Dims& d);
 std::size_t backward_workspace_size(const Dims& d);
 

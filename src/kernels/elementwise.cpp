@@ -44,7 +44,7 @@ std::size_t first_batch_ending_after(const BlockPlan& plan, std::int64_t row) {
 }
 
 void backward_blocks(const BlockPlan& plan, const BackwardBlockInputs& in, std::int64_t a, std::int64_t b,
-                     float* dnew, double* dape, bool npu_parity, int num_threads) {
+                     float* dnew, std::int64_t ld_dnew, double* dape, bool npu_parity, int num_threads) {
   const Dims& dm = plan.dims;
   const std::int64_t D = dm.D, C = dm.C, r = dm.r, coff = dm.coff, cr = coff * r;
   const std::size_t first = first_batch_ending_after(plan, a);
@@ -82,7 +82,7 @@ void backward_blocks(const BlockPlan& plan, const BackwardBlockInputs& in, std::
             const std::int64_t tok = pos - s.sp;
             if (tok < lr.lo || tok >= lr.hi) continue;
             const std::int64_t j = t * coff + c;
-            float* kv_out = dnew + (s.base + tok - a) * 2 * C + c * D + d0;
+            float* kv_out = dnew + (s.base + tok - a) * ld_dnew + c * D + d0;
             float* sc_out = kv_out + C;
             double* ape_acc = dape + t * C + c * D + d0;
             for (std::int64_t i = 0; i < w; ++i) {
@@ -109,8 +109,8 @@ void backward_blocks(const BlockPlan& plan, const BackwardBlockInputs& in, std::
   }
 }
 
-void add_ape(const BlockPlan& plan, const float* ape, float* proj, std::int64_t proj_first, std::int64_t a,
-             std::int64_t b, int num_threads) {
+void add_ape(const BlockPlan& plan, const float* ape, float* proj, std::int64_t proj_first,
+             std::int64_t proj_ld, std::int64_t a, std::int64_t b, int num_threads) {
   const Dims& dm = plan.dims;
   const std::int64_t C = dm.C;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
@@ -121,7 +121,7 @@ void add_ape(const BlockPlan& plan, const float* ape, float* proj, std::int64_t 
     const std::int64_t tok = row - s.base;
     if (tok < 0 || tok >= s.used) continue;  // tokens past seqused are never used
     const float* bias = ape + ((s.sp + tok) % dm.r) * C;
-    float* score = proj + (row - proj_first) * 2 * C + C;
+    float* score = proj + (row - proj_first) * proj_ld + C;
     for (std::int64_t i = 0; i < C; ++i) score[i] += bias[i];
   }
 }
@@ -150,7 +150,7 @@ void forward_blocks(const BlockPlan& plan, const ForwardBlockIo& io, std::int64_
           if (pos < write_from) continue;
           float* slot = cache_slot(io, batch, pos, true);
           if (!slot) continue;
-          const float* src = io.proj + (s.base + tok - io.proj_first) * 2 * C;
+          const float* src = io.proj + (s.base + tok - io.proj_first) * io.proj_ld;
           for (std::int64_t c = 0; c < coff; ++c)
             for (std::int64_t i = d0; i < d1; ++i) {
               slot[c * D + i] = src[c * D + i];
@@ -174,7 +174,7 @@ void forward_blocks(const BlockPlan& plan, const ForwardBlockIo& io, std::int64_
                 src_kv[j] = slot + c * D;
                 src_sc[j] = slot + C + c * D;
               } else {
-                const float* row = io.proj + (s.base + pos - s.sp - io.proj_first) * 2 * C;
+                const float* row = io.proj + (s.base + pos - s.sp - io.proj_first) * io.proj_ld;
                 src_kv[j] = row + c * D;
                 src_sc[j] = row + C + c * D;
               }

@@ -23,13 +23,14 @@ struct BackwardBlockInputs {
 // without gradient are zero) and adds the chunk's dZ rows into dape [r, C]
 // (float64). npu_parity rounds dK / dZ to the io dtype (spec 6.1 step 7).
 void backward_blocks(const BlockPlan& plan, const BackwardBlockInputs& in, std::int64_t a, std::int64_t b,
-                     float* dnew, double* dape, bool npu_parity, int num_threads);
+                     float* dnew, std::int64_t ld_dnew, double* dape, bool npu_parity, int num_threads);
 
 struct ForwardBlockIo {
   // Projections of global rows [proj_first, b): [rows, 2C], kv then score
   // (score already holds + ape for used tokens).
   const float* proj = nullptr;
   std::int64_t proj_first = 0;
+  std::int64_t proj_ld = 0;
   // State cache
   float* cache = nullptr;
   std::int64_t cache_stride0 = 0;  // elements
@@ -45,8 +46,8 @@ struct ForwardBlockIo {
 };
 
 // Adds ape to the score projections of used tokens of rows [a, b).
-void add_ape(const BlockPlan& plan, const float* ape, float* proj, std::int64_t proj_first, std::int64_t a,
-             std::int64_t b, int num_threads);
+void add_ape(const BlockPlan& plan, const float* ape, float* proj, std::int64_t proj_first,
+             std::int64_t proj_ld, std::int64_t a, std::int64_t b, int num_threads);
 
 // Cache writes of rows [a, b) and the blocks whose last row lies in [a, b).
 void forward_blocks(const BlockPlan& plan, const ForwardBlockIo& io, std::int64_t a, std::int64_t b,
