@@ -1,0 +1,689 @@
+"""End-to-end tests of the `kvcomp` executable on case directories written by numpy.
+
+Every case is generated here (seeded), written as a case directory (meta.json + .npy files), run
+through `kvcomp fwd` and `kvcomp grad`, and the outputs are held against oracle.py, an independent
+numpy implementation of the spec (float64 "high" truth C and float32 "same" golden B), with the
+three-way criterion of spec 7.2 (two-party 7.1 for the state cache and for --npu-parity).
+
+The executable is $KVCOMP_BIN, or ../../build/cli/kvcomp relative to this file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import oracle as O  # noqa: E402
+
+KVCOMP = os.environ.get("KVCOMP_BIN") or str(HERE.parent.parent / "build" / "cli" / "kvcomp")
+THREADS = os.environ.get("KVCOMP_TEST_THREADS", "2")
+
+
+# --------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _binary_exists():
+    assert os.path.isfile(KVCOMP) and os.access(KVCOMP, os.X_OK), (
+        f"kvcomp executable not found at {KVCOMP} (set KVCOMP_BIN)")
+
+
+def run_kvcomp(*args, timeout=300):
+    return subprocess.run([KVCOMP, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+
+
+def run_ok(*args):
+    p = run_kvcomp(*args)
+    assert p.returncode == 0, f"kvcomp {' '.join(map(str, args))} failed ({p.returncode}):\n{p.stderr}"
+    return p
+
+
+def seed_of(name: str) -> int:
+    return zlib.crc32(name.encode())
+
+
+def write_case(d: Path, meta: dict, arrays: dict):
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "meta.json").write_text(json.dumps(meta))
+    for k, v in arrays.items():
+        np.save(d / f"{k}.npy", v)
+
+
+def stored_io(raw: np.ndarray, dtype: str, form: str):
+    """The array written to the .npy file for an io tensor, and the io-dtype values kvcomp must see."""
+    raw = np.asarray(raw, np.float32)
+    if form == "u16":
+        assert dtype == "bf16"
+        bits = O.bf16_bits(raw)
+        return bits, O.bf16_to_f32(bits)
+    if form == "f16":
+        assert dtype == "fp16"
+        h = raw.astype(np.float16)
+        return h, h.astype(np.float32)
+    if form == "f32":  # unrounded float32: kvcomp rounds to the io dtype on load (nearest even)
+        return raw, O.round_io(raw, dtype)
+    raise ValueError(form)
+
+
+def load_out(path: Path, dtype: str | None = None) -> np.ndarray:
+    """Reads an output; with dtype (the io dtype of an --out-dtype io run) checks the stored form."""
+    a = np.load(path)
+    if dtype == "bf16":
+        assert a.dtype == np.uint16, f"{path.name}: {a.dtype}"
+        return O.bf16_to_f32(a)
+    if dtype == "fp16":
+        assert a.dtype == np.float16, f"{path.name}: {a.dtype}"
+        return a.astype(np.float32)
+    assert a.dtype == np.float32, f"{path.name}: {a.dtype}"
+    return a
+
+
+class Report:
+    """Collects every comparison of a case so that one failure shows all of them."""
+
+    def __init__(self, case: str):
+        self.case = case
+        self.lines: list[str] = []
+        self.failed: list[str] = []
+
+    def add(self, what: str, ok: bool, detail: str = ""):
+        self.lines.append(f"{'PASS' if ok else 'FAIL'} {what}: {detail}")
+        if not ok:
+            self.failed.append(what)
+
+    def three_way(self, what, A, B, C, dtype):
+        v = O.three_way(A, B, C, dtype)
+        self.add(f"{what} three-way ({dtype})", v.ok, v.detail)
+
+    def projection_accuracy(self, what, A, B, C, dtype):
+        v = O.fp32_projection_accuracy(A, B, C, dtype)
+        self.add(f"{what} fp32-projection accuracy ({dtype})", v.ok, v.detail)
+
+    def two_party(self, what, A, E, dtype):
+        v = O.two_party(A, E, dtype)
+        self.add(f"{what} two-party ({dtype})", v.ok, v.detail)
+
+    def shape(self, what, A, E):
+        self.add(f"{what} shape", tuple(A.shape) == tuple(E.shape), f"{A.shape} vs expected {E.shape}")
+        return tuple(A.shape) == tuple(E.shape)
+
+    def exact_zero(self, what, A):
+        nz = int(np.count_nonzero(A))
+        self.add(f"{what} exactly zero", nz == 0, f"{nz} non-zero of {A.size}")
+
+    def check(self):
+        if os.environ.get("KVCOMP_TEST_VERBOSE"):
+            print(f"\n== {self.case}\n" + "\n".join(self.lines))
+        assert not self.failed, f"case {self.case}: failed {self.failed}\n" + "\n".join(self.lines)
+
+
+# --------------------------------------------------------------------------
+# case generation
+# --------------------------------------------------------------------------
+
+
+def _val(v, rng):
+    return v(rng) if callable(v) else v
+
+
+class Case:
+    """A random case built from a spec dict; holds the files to write and the oracle's inputs."""
+
+    def __init__(self, spec: dict):
+        self.spec = spec
+        self.name = spec["name"]
+        rng = np.random.default_rng(seed_of(self.name))
+        self.dtype = spec["dtype"]
+        H, D, r, coff = spec["H"], spec["D"], spec["r"], spec["coff"]
+        self.H, self.D, self.r, self.coff, self.C = H, D, r, coff, coff * D
+        C = self.C
+        layout = spec["layout"]
+        if layout == "BSH":
+            B, S = spec["B"], spec["S"]
+            lens = np.full(B, S, np.int64)
+            x_shape = (B, S, H)
+            self.cu = None
+        else:
+            lens = np.asarray(_val(spec["lens"], rng), np.int64)
+            B = lens.size
+            self.cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+            x_shape = (int(self.cu[-1]), H)
+        self.B = B
+        sp = _val(spec.get("sp"), rng)
+        self.sp = None if sp is None else np.asarray(sp, np.int32)
+        su = spec.get("seqused")
+        if isinstance(su, str) and su == "random":
+            su = np.array([rng.integers(0, n + 1) for n in lens])
+        self.seqused = None if su is None else np.asarray(_val(su, rng), np.int32)
+
+        forms = spec.get("store", "f32")
+        form_of = (lambda i: forms[i % len(forms)]) if isinstance(forms, list) else (lambda i: forms)
+
+        # io tensors
+        self.files: dict[str, np.ndarray] = {}
+        self.io: dict[str, np.ndarray] = {}
+        raws = {
+            "x": rng.standard_normal(x_shape).astype(np.float32),
+            "wkv": (rng.standard_normal((C, H)) / math.sqrt(H)).astype(np.float32),
+            "wgate": (rng.standard_normal((C, H)) / math.sqrt(H)).astype(np.float32),
+        }
+        for i, (k, raw) in enumerate(raws.items()):
+            self.files[k], self.io[k] = stored_io(raw, self.dtype, form_of(i))
+        self.dcmp_form = form_of(3)
+        self.ape = (0.5 * rng.standard_normal((r, C))).astype(np.float32)
+        self.files["ape"] = self.ape
+        if self.cu is not None:
+            self.files["cu_seqlens"] = self.cu
+        if self.sp is not None:
+            self.files["start_pos"] = self.sp
+        if self.seqused is not None:
+            self.files["seqused"] = self.seqused
+
+        # state cache and block table (spec 1.3)
+        self.cache_mode = spec.get("cache_mode", 1)
+        maxlen = int(lens.max()) if lens.size else 0
+        smax = (int(self.sp.max()) if self.sp is not None and self.sp.size else 0) + maxlen
+        if self.cache_mode == 1:
+            bs = spec.get("bs", 8)
+            cols = max(1, -(-smax // bs))
+            n = B * cols
+            nz = rng.random(n) >= spec.get("zero_frac", 0.3)
+            ids = np.zeros(n, np.int64)
+            ids[nz] = 1 + rng.permutation(int(nz.sum()))
+            table = ids.reshape(B, cols)
+            bn = int(nz.sum()) + 2  # block 0 (never written) + one block no table entry names
+        else:
+            bs = coff * r + maxlen - 1 + spec.get("ring_extra", 0)
+            table = rng.permutation(B)  # ids 0..B-1: block 0 is a real ring block in mode 2
+            bn = B + 1
+        self.bs = bs
+        self.table = table.astype(np.int32)
+        self.state = rng.uniform(-3, 3, (bn, bs, 2 * C)).astype(np.float32)
+        self.files["block_table"] = self.table
+        self.files["state_cache"] = self.state
+
+        self.meta = {"cmp_ratio": r, "coff": coff, "dtype": self.dtype, "cache_mode": self.cache_mode}
+        if spec.get("meta_layout"):
+            self.meta["layout"] = layout
+        if spec.get("stride0"):
+            self.meta["state_cache_stride0"] = bs * 2 * C + spec["stride0"]
+
+        self.kw = dict(cmp_ratio=r, coff=coff, cu_seqlens=self.cu, seqused=self.seqused, start_pos=self.sp,
+                       io_dtype=self.dtype)
+        self.rng = rng
+
+    # oracle runs -----------------------------------------------------------
+    def forward(self, mode):
+        return O.forward(self.io["x"], self.io["wkv"], self.io["wgate"], self.ape, self.state, self.table,
+                         cache_mode=self.cache_mode, mode=mode, **self.kw)
+
+    def make_grad_inputs(self, fwd_high):
+        """d_cmp_kv random; softmax_score / kv from the float64 oracle forward, rounded to fp32.
+        Padding rows hold garbage (NaN for the fp32 intermediates) that kvcomp must never read."""
+        valid = fwd_high["valid"]
+        rng = self.rng
+        dc_raw = rng.standard_normal(valid.shape + (self.D,)).astype(np.float32)
+        dc_raw[~valid] = rng.uniform(-1e3, 1e3, dc_raw[~valid].shape)
+        self.files["d_cmp_kv"], self.io["d_cmp_kv"] = stored_io(dc_raw, self.dtype, self.dcmp_form)
+        s = fwd_high["softmax_score"].copy()
+        k = fwd_high["kv"].copy()
+        s[~valid] = np.nan
+        k[~valid] = np.nan
+        self.files["softmax_score"] = s
+        self.files["kv"] = k
+        self.S, self.K = s, k
+
+    def backward(self, mode):
+        return O.backward(self.io["x"], self.io["wkv"], self.io["wgate"], self.io["d_cmp_kv"], self.S, self.K,
+                          mode=mode, **self.kw)
+
+    def write(self, d: Path):
+        write_case(d, self.meta, self.files)
+
+
+# --------------------------------------------------------------------------
+# the checks
+# --------------------------------------------------------------------------
+
+
+def check_forward(rep: Report, case: Case, out: Path, hi, lo, out_io: bool):
+    dt = case.dtype
+    valid = hi["valid"]
+    cmp_kv = load_out(out / "cmp_kv.npy", dt if out_io else None)
+    score = load_out(out / "softmax_score.npy")
+    kv = load_out(out / "kv.npy")
+    st = load_out(out / "state_cache.npy")
+    ok = rep.shape("cmp_kv", cmp_kv, hi["cmp_kv"])
+    ok &= rep.shape("softmax_score", score, hi["softmax_score"])
+    ok &= rep.shape("kv", kv, hi["kv"])
+    ok &= rep.shape("state_cache", st, case.state)
+    if not ok:
+        return
+    rep.add("valid rows", True, f"{int(valid.sum())} of {valid.size}")
+    rep.projection_accuracy("cmp_kv[valid]", cmp_kv[valid], lo["cmp_kv"][valid], hi["cmp_kv"][valid], dt)
+    rep.three_way("softmax_score[valid]", score[valid], lo["softmax_score"][valid], hi["softmax_score"][valid],
+                  "fp32")
+    rep.projection_accuracy("kv[valid]", kv[valid], lo["kv"][valid], hi["kv"][valid], "fp32")
+    rep.exact_zero("cmp_kv padding rows", cmp_kv[~valid])
+    rep.exact_zero("softmax_score padding rows", score[~valid])
+    rep.exact_zero("kv padding rows", kv[~valid])
+    # state cache: written slots two-party against the truth, every other slot bitwise unchanged
+    w = hi["written"]
+    rep.add("same/high agree on written slots", np.array_equal(w, lo["written"]))
+    rep.add("written slots", True, f"{int(w.sum())} of {w.size}")
+    rep.two_party("state_cache written slots", st[w], hi["state_cache"][w], "fp32")
+    same = np.array_equal(st[~w].view(np.uint32), case.state[~w].view(np.uint32))
+    rep.add("state_cache untouched slots bitwise unchanged", same,
+            f"{int(np.sum(st[~w].view(np.uint32) != case.state[~w].view(np.uint32)))} changed values")
+
+
+def zero_dx_rows(hi_plan) -> np.ndarray:
+    """Token rows that receive no gradient (tail, beyond seqused, never in a kept block row)."""
+    used = np.zeros(hi_plan.rows, bool)
+    kept = hi_plan.src == 2
+    used[hi_plan.tok[kept]] = True
+    return ~used
+
+
+def check_backward(rep: Report, case: Case, out: Path, hi, lo, out_io: bool, label=""):
+    dt = case.dtype
+    res = {}
+    for k in ("d_x", "d_wkv", "d_wgate"):
+        res[k] = load_out(out / f"{k}.npy", dt if out_io else None)
+    res["d_ape"] = load_out(out / "d_ape.npy")
+    for k in ("d_x", "d_wkv", "d_wgate", "d_ape"):
+        if rep.shape(label + k, res[k], hi[k]):
+            rep.three_way(label + k, res[k], lo[k], hi[k], "fp32" if k == "d_ape" else dt)
+    if res["d_x"].shape == hi["d_x"].shape:
+        zr = zero_dx_rows(hi["plan"])
+        rep.exact_zero(label + f"d_x rows without gradient ({int(zr.sum())})",
+                       res["d_x"].reshape(-1, case.H)[zr])
+    return res
+
+
+# --------------------------------------------------------------------------
+# the case matrix
+# --------------------------------------------------------------------------
+
+CASES = [
+    # BSH bf16 coff 2, r 4: start_pos aligned / unaligned / > r, seqused full / partial / 0; paged, bf16 bits
+    dict(name="bsh_bf16_c2_r4_paged_u16", layout="BSH", B=4, S=13, H=64, D=16, r=4, coff=2, dtype="bf16",
+         store="u16", cache_mode=1, bs=8, sp=[0, 5, 9, 4], seqused=[13, 7, 0, 10], meta_layout=True,
+         npu_parity=True),
+    # TH fp16 coff 1, r 128, ring (block 0 is a live ring block), float16 files, io-dtype outputs
+    dict(name="th_fp16_c1_r128_ring_f16", layout="TH", lens=[300, 0, 140, 260], H=32, D=16, r=128, coff=1,
+         dtype="fp16", store="f16", cache_mode=2, sp=[0, 131, 128, 1000], seqused=[300, 0, 139, 200],
+         out_io=True, npu_parity=True),
+    # TH bf16 coff 2, odd r 3, float32 files rounded on load, no seqused file
+    dict(name="th_bf16_c2_r3_paged_f32", layout="TH", lens=[10, 0, 25, 7, 1, 17], H=48, D=8, r=3, coff=2,
+         dtype="bf16", store="f32", cache_mode=1, bs=4, sp=[0, 2, 3, 7, 100, 1], seqused=None),
+    # BSH fp16 coff 2, r 9, ring, strided state cache, float32 files
+    dict(name="bsh_fp16_c2_r9_ring_f32", layout="BSH", B=3, S=40, H=32, D=16, r=9, coff=2, dtype="fp16",
+         store="f32", cache_mode=2, ring_extra=3, sp=[4, 9, 20], seqused=[40, 33, 5], stride0=7,
+         npu_parity=True),
+    # BSH bf16 coff 1, r 33, paged, mixed storage forms
+    dict(name="bsh_bf16_c1_r33_paged_mixed", layout="BSH", B=3, S=100, H=40, D=16, r=33, coff=1, dtype="bf16",
+         store=["u16", "f32", "u16", "f32"], cache_mode=1, bs=16, sp=[0, 32, 70], seqused=[100, 64, 99],
+         meta_layout=True, out_io=True),
+    # TH fp16 coff 2, r 127: 254-row blocks
+    dict(name="th_fp16_c2_r127_paged_f16", layout="TH", lens=[300, 5, 254, 0], H=32, D=8, r=127, coff=2,
+         dtype="fp16", store="f16", cache_mode=1, bs=64, sp=[0, 126, 300, 5], seqused=[300, 5, 200, 0]),
+    # BSH bf16 coff 2, r 128, ring, no start_pos / seqused files
+    dict(name="bsh_bf16_c2_r128_ring_nostart", layout="BSH", B=2, S=300, H=32, D=8, r=128, coff=2,
+         dtype="bf16", store="u16", cache_mode=2, sp=None, seqused=None),
+    # TH bf16 coff 1, r 9, ring, float32 files
+    dict(name="th_bf16_c1_r9_ring_f32", layout="TH", lens=[0, 50, 19, 3, 40], H=32, D=16, r=9, coff=1,
+         dtype="bf16", store="f32", cache_mode=2, sp=[0, 8, 9, 17, 2], seqused=[0, 50, 10, 3, 39],
+         npu_parity=True),
+    # BSH fp16 coff 1, r 3 and r 4 with start_pos > r
+    dict(name="bsh_fp16_c1_r3_paged", layout="BSH", B=3, S=20, H=32, D=16, r=3, coff=1, dtype="fp16",
+         store="f32", cache_mode=1, bs=5, sp=[7, 0, 2], seqused=[20, 19, 1]),
+    dict(name="th_fp16_c2_r4_ring_f16", layout="TH", lens=[9, 4, 16, 1], H=64, D=16, r=4, coff=2, dtype="fp16",
+         store="f16", cache_mode=2, sp=[6, 3, 0, 11], seqused=[9, 2, 16, 1], out_io=True),
+    # TH bf16 coff 2, r 33
+    dict(name="th_bf16_c2_r33_paged_u16", layout="TH", lens=[100, 70, 2], H=32, D=8, r=33, coff=2,
+         dtype="bf16", store="u16", cache_mode=1, bs=32, sp=[10, 33, 64], seqused=[100, 40, 2]),
+    # fp32 io (extended profile)
+    dict(name="th_fp32_c2_r4_paged", layout="TH", lens=[12, 30, 5], H=32, D=8, r=4, coff=2, dtype="fp32",
+         store="f32", cache_mode=1, bs=8, sp=[1, 4, 6], seqused=[12, 29, 5]),
+    # thousands of tiny TH batches (0-3 tokens, many empty).
+    # The forward cmp_kv / kv are checked with O.fp32_projection_accuracy, not the three-way rule: see its
+    # docstring (the three-way max statistic is a coin toss there; measured ~20% of seeds failing).
+    dict(name="th_bf16_c2_r3_tiny_batches", layout="TH", lens=lambda g: g.integers(0, 4, 3000), H=32, D=8, r=3,
+         coff=2, dtype="bf16", store="u16", cache_mode=1, bs=4, zero_frac=0.4,
+         sp=lambda g: g.integers(0, 12, 3000), seqused="random", npu_parity=True),
+    dict(name="th_fp16_c1_r4_tiny_batches_ring", layout="TH", lens=lambda g: g.integers(0, 4, 3000), H=32, D=8,
+         r=4, coff=1, dtype="fp16", store="f32", cache_mode=2, sp=lambda g: g.integers(0, 12, 3000),
+         seqused="random"),
+    # one long sequence (~100k tokens)
+    dict(name="th_bf16_c2_r4_long_100k", layout="TH", lens=[100_003], H=32, D=8, r=4, coff=2, dtype="bf16",
+         store="u16", cache_mode=1, bs=128, zero_frac=0.2, sp=[3], seqused=[99_998]),
+]
+
+
+@pytest.mark.parametrize("spec", CASES, ids=[c["name"] for c in CASES])
+def test_case_fwd_and_grad(spec, tmp_path):
+    case = Case(spec)
+    hi = case.forward("high")
+    lo = case.forward("same")
+    case.make_grad_inputs(hi)
+    case_dir = tmp_path / "case"
+    case.write(case_dir)
+    rep = Report(case.name)
+    out_io = bool(spec.get("out_io"))
+    io_args = ["--out-dtype", "io"] if out_io else []
+
+    # forward
+    run_ok("fwd", "--in", case_dir, "--out", tmp_path / "fwd", "--threads", THREADS, *io_args)
+    check_forward(rep, case, tmp_path / "fwd", hi, lo, out_io)
+
+    # backward on the oracle's intermediates
+    ghi = case.backward("high")
+    glo = case.backward("same")
+    rep.add("blocks", ghi["plan"].N > 0, f"{ghi['plan'].N} compressed blocks")
+    run_ok("grad", "--in", case_dir, "--out", tmp_path / "grad", "--threads", THREADS, *io_args)
+    check_backward(rep, case, tmp_path / "grad", ghi, glo, out_io)
+
+    # --npu-parity: two-party against the fp32 "same" golden (spec 7.1)
+    if spec.get("npu_parity"):
+        run_ok("grad", "--in", case_dir, "--out", tmp_path / "grad_npu", "--threads", THREADS, "--npu-parity")
+        for k in ("d_x", "d_wkv", "d_wgate", "d_ape"):
+            a = load_out(tmp_path / "grad_npu" / f"{k}.npy")
+            rep.two_party(f"npu-parity {k}", a, glo[k], "fp32" if k == "d_ape" else case.dtype)
+    rep.check()
+
+
+def test_fwd_without_grad_enabled(tmp_path):
+    """grad_enabled false: only cmp_kv and state_cache are written, bitwise equal to a grad_enabled run."""
+    case = Case(CASES[2])
+    case.make_grad_inputs(case.forward("high"))
+    case.write(tmp_path / "on")
+    case.meta = dict(case.meta, grad_enabled=False)
+    case.write(tmp_path / "off")
+    run_ok("fwd", "--in", tmp_path / "on", "--out", tmp_path / "o1", "--threads", THREADS)
+    run_ok("fwd", "--in", tmp_path / "off", "--out", tmp_path / "o2", "--threads", THREADS)
+    assert sorted(f.name for f in (tmp_path / "o2").iterdir()) == ["cmp_kv.npy", "state_cache.npy"]
+    for k in ("cmp_kv", "state_cache"):
+        a, b = np.load(tmp_path / "o1" / f"{k}.npy"), np.load(tmp_path / "o2" / f"{k}.npy")
+        assert a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32)), k
+
+
+def test_results_independent_of_thread_count(tmp_path):
+    spec = dict(CASES[0], name="threads_bsh_bf16")
+    case = Case(spec)
+    case.make_grad_inputs(case.forward("high"))
+    case.write(tmp_path / "case")
+    outs = []
+    for th in ("1", "2", "3"):
+        o = tmp_path / f"g{th}"
+        run_ok("grad", "--in", tmp_path / "case", "--out", o, "--threads", th)
+        outs.append({k: np.load(o / f"{k}.npy") for k in ("d_x", "d_wkv", "d_wgate", "d_ape")})
+    for o in outs[1:]:
+        for k in o:
+            assert np.array_equal(o[k].view(np.uint32), outs[0][k].view(np.uint32)), k
+
+
+# --------------------------------------------------------------------------
+# aclnn profile
+# --------------------------------------------------------------------------
+
+
+def test_aclnn_profile_legal_case(tmp_path):
+    spec = dict(name="aclnn_bsh_bf16_c4li", layout="BSH", B=2, S=6, H=1024, D=128, r=4, coff=2, dtype="bf16",
+                store="u16", cache_mode=1, bs=16, sp=[0, 3], seqused=[6, 5])
+    case = Case(spec)
+    hi, lo = case.forward("high"), case.forward("same")
+    case.make_grad_inputs(hi)
+    case.write(tmp_path / "case")
+    rep = Report(case.name)
+    run_ok("fwd", "--in", tmp_path / "case", "--out", tmp_path / "fwd", "--profile", "aclnn", "--threads",
+           THREADS)
+    check_forward(rep, case, tmp_path / "fwd", hi, lo, False)
+    run_ok("grad", "--in", tmp_path / "case", "--out", tmp_path / "grad", "--profile", "aclnn", "--threads",
+           THREADS)
+    check_backward(rep, case, tmp_path / "grad", case.backward("high"), case.backward("same"), False)
+    rep.check()
+
+
+@pytest.mark.parametrize("cmd", ["grad", "fwd"])
+def test_aclnn_profile_rejects_d16(tmp_path, cmd):
+    spec = dict(name="aclnn_bad_d16", layout="BSH", B=1, S=8, H=1024, D=16, r=4, coff=2, dtype="bf16",
+                store="u16", cache_mode=1, bs=16, sp=[0], seqused=[8])
+    case = Case(spec)
+    hi = case.forward("high")
+    case.make_grad_inputs(hi)
+    case.write(tmp_path / "case")
+    p = run_kvcomp(cmd, "--in", tmp_path / "case", "--out", tmp_path / "out", "--profile", "aclnn")
+    assert p.returncode == 1, (p.returncode, p.stderr)
+    assert "161002" in p.stderr, p.stderr
+    # the parameter (D, the head dim) and the value seen
+    assert re.search(r"\bD\b[^\n]*\(= 16\)", p.stderr), p.stderr
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    # the same case is accepted by the extended profile, and its result is right
+    run_ok(cmd, "--in", tmp_path / "case", "--out", tmp_path / "ext", "--threads", THREADS)
+    rep = Report(case.name)
+    if cmd == "grad":
+        check_backward(rep, case, tmp_path / "ext", case.backward("high"), case.backward("same"), False)
+    else:
+        check_forward(rep, case, tmp_path / "ext", hi, case.forward("same"), False)
+    rep.check()
+
+
+# --------------------------------------------------------------------------
+# no compressed block at all: four all-zero gradients
+# --------------------------------------------------------------------------
+
+NO_BLOCK = [
+    dict(name="noblock_bsh", layout="BSH", B=2, S=3, H=32, D=8, r=4, coff=2, dtype="bf16", store="u16",
+         cache_mode=1, bs=4, sp=[0, 1], seqused=[3, 2]),
+    dict(name="noblock_th_seqused0", layout="TH", lens=[5, 9, 0], H=32, D=16, r=3, coff=1, dtype="fp16",
+         store="f16", cache_mode=2, sp=[2, 0, 4], seqused=[0, 0, 0]),
+]
+
+
+@pytest.mark.parametrize("spec", NO_BLOCK, ids=[c["name"] for c in NO_BLOCK])
+def test_no_block(spec, tmp_path):
+    case = Case(spec)
+    hi, lo = case.forward("high"), case.forward("same")
+    assert hi["plan"].N == 0
+    case.make_grad_inputs(hi)
+    case.write(tmp_path / "case")
+    rep = Report(case.name)
+    run_ok("grad", "--in", tmp_path / "case", "--out", tmp_path / "grad", "--threads", THREADS)
+    res = check_backward(rep, case, tmp_path / "grad", case.backward("high"), case.backward("same"), False)
+    for k, v in res.items():
+        rep.exact_zero(f"no-block {k}", v)
+    run_ok("fwd", "--in", tmp_path / "case", "--out", tmp_path / "fwd", "--threads", THREADS)
+    check_forward(rep, case, tmp_path / "fwd", hi, lo, False)
+    rep.check()
+
+
+# --------------------------------------------------------------------------
+# error handling
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_case(tmp_path):
+    spec = dict(name="errors_th", layout="TH", lens=[9, 4], H=32, D=8, r=4, coff=2, dtype="bf16", store="u16",
+                cache_mode=1, bs=8, sp=[1, 0], seqused=[9, 4])
+    case = Case(spec)
+    case.make_grad_inputs(case.forward("high"))
+    d = tmp_path / "case"
+    case.write(d)
+    return case, d
+
+
+def _no_output(out: Path):
+    return not out.exists() or not any(out.iterdir())
+
+
+@pytest.mark.parametrize("cmd,missing", [("grad", "kv"), ("grad", "x"), ("fwd", "state_cache")])
+def test_missing_file(small_case, tmp_path, cmd, missing):
+    _, d = small_case
+    (d / f"{missing}.npy").unlink()
+    out = tmp_path / "out"
+    p = run_kvcomp(cmd, "--in", d, "--out", out)
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    assert "error 361001" in p.stderr, p.stderr
+    assert f"{missing}.npy" in p.stderr, p.stderr
+    assert _no_output(out)
+
+
+@pytest.mark.parametrize("garbage", [b"\x93NUMPY\x01\x00garbage", b"not an npy file at all",
+                                     "truncate"])
+def test_corrupt_npy(small_case, tmp_path, garbage):
+    _, d = small_case
+    f = d / "x.npy"
+    if garbage == "truncate":
+        data = f.read_bytes()
+        f.write_bytes(data[: len(data) - 7])
+    else:
+        f.write_bytes(garbage)
+    out = tmp_path / "out"
+    p = run_kvcomp("grad", "--in", d, "--out", out)
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    assert "error 161002" in p.stderr, p.stderr
+    assert "x.npy" in p.stderr, p.stderr
+    assert _no_output(out)
+
+
+@pytest.mark.parametrize("cmd", ["grad", "fwd"])
+@pytest.mark.parametrize("bad", [5, -1])
+def test_invalid_seqused(small_case, tmp_path, cmd, bad):
+    case, d = small_case
+    su = case.seqused.copy()
+    su[1] = bad  # batch 1 has 4 tokens
+    np.save(d / "seqused.npy", su)
+    out = tmp_path / "out"
+    state_before = (d / "state_cache.npy").read_bytes()
+    p = run_kvcomp(cmd, "--in", d, "--out", out)
+    assert p.returncode == 1, (p.returncode, p.stderr)
+    assert "error 161002" in p.stderr, p.stderr
+    assert "seqused" in p.stderr and f"(= {bad})" in p.stderr, p.stderr
+    assert _no_output(out)
+    assert (d / "state_cache.npy").read_bytes() == state_before
+
+
+def test_output_dir_not_replaced_on_error(small_case, tmp_path):
+    """A rejected call leaves an existing output directory exactly as it was."""
+    case, d = small_case
+    out = tmp_path / "out"
+    run_ok("grad", "--in", d, "--out", out)
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    su = case.seqused.copy()
+    su[0] = 10
+    np.save(d / "seqused.npy", su)
+    p = run_kvcomp("grad", "--in", d, "--out", out)
+    assert p.returncode == 1 and "161002" in p.stderr
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+
+
+# --------------------------------------------------------------------------
+# the oracle itself
+# --------------------------------------------------------------------------
+
+
+def test_oracle_worked_example():
+    """Spec 2.8: B=1, start_pos=5, seqused=10, r=4, coff=2 (TH, T=10)."""
+    p = O.make_plan((10, 8), cmp_ratio=4, coff=2, D=2, cu_seqlens=[0, 10], seqused=[10], start_pos=[5])
+    assert p.nb.tolist() == [2] and p.out_lead == (3,) and p.blk_k.tolist() == [1, 2]
+    assert p.pos.tolist() == [[0, 4, 1, 5, 2, 6, 3, 7], [4, 8, 5, 9, 6, 10, 7, 11]]
+    assert p.src.tolist() == [[1, 1, 1, 2, 1, 2, 1, 2], [1, 2, 2, 2, 2, 2, 2, 2]]
+    assert p.tok.tolist() == [[-1, -1, -1, 0, -1, 1, -1, 2], [-1, 3, 0, 4, 1, 5, 2, 6]]
+    assert p.valid_mask().tolist() == [True, True, False]
+    q = O.make_plan((1, 12, 8), cmp_ratio=4, coff=1, D=8, seqused=[10], start_pos=[5])
+    assert q.out_lead == (1, 3) and q.pos.tolist() == [[4, 5, 6, 7], [8, 9, 10, 11]]
+
+
+def test_oracle_bf16_rounding():
+    v = np.array([1.0, 1 + 2 ** -8, 1 + 3 * 2 ** -8, 1 + 2 ** -8 + 2 ** -20, -(1 + 2 ** -8), 3.4e38, 3.39e38,
+                  np.inf, -0.0, 2 ** -130], np.float32)
+    bits = O.bf16_bits(v)
+    assert bits.tolist() == [0x3F80, 0x3F80, 0x3F82, 0x3F81, 0xBF80, 0x7F80, 0x7F7F, 0x7F80, 0x8000, 0x0008]
+    assert np.array_equal(O.round_bf16(v[:5]), np.array([1.0, 1.0, 1 + 2 ** -6, 1 + 2 ** -7, -1.0], np.float32))
+    assert np.isnan(O.bf16_to_f32(O.bf16_bits(np.float32(np.nan))))
+
+
+def test_oracle_criteria():
+    rng = np.random.default_rng(3)
+    c = O.round_bf16(rng.standard_normal(1000))
+    b = O.round_bf16(c * (1 + 1e-3 * rng.standard_normal(1000)))
+    assert O.three_way(c, b, c, "bf16").ok
+    assert O.three_way(b, b, c, "bf16").ok
+    assert not O.three_way(O.round_bf16(c * 1.05), b, c, "bf16").ok
+    assert not O.three_way(np.where(np.arange(1000) == 5, np.nan, c), b, c, "bf16").ok
+    assert O.two_party(b, c, "bf16").ok
+    assert not O.two_party(c * 1.02, c, "bf16").ok
+
+
+@pytest.mark.parametrize("layout,coff,r,cache_mode", [("TH", 2, 3, 1), ("BSH", 2, 4, 2), ("TH", 1, 4, 2),
+                                                      ("BSH", 1, 3, 1), ("TH", 2, 2, 2)])
+def test_oracle_backward_is_gradient_of_forward(layout, coff, r, cache_mode):
+    """Central differences of loss = sum(cmp * dC) through the float64 forward match the backward."""
+    rng = np.random.default_rng(seed_of(f"fd{layout}{coff}{r}{cache_mode}"))
+    H, D = 4, 3
+    C = coff * D
+    if layout == "TH":
+        lens = [7, 0, 11, 2, 13]
+        cu = np.concatenate([[0], np.cumsum(lens)])
+        xs, B, L = (int(cu[-1]), H), len(lens), max(lens)
+    else:
+        B, S = 3, 10
+        lens, cu, xs, L = [S] * B, None, (B, S, H), S
+    sp = rng.integers(0, 3 * r, B)
+    su = np.array([rng.integers(n // 2, n + 1) for n in lens])
+    x = rng.standard_normal(xs)
+    wkv, wg = rng.standard_normal((C, H)) / 2, rng.standard_normal((C, H)) / 2
+    ape = rng.standard_normal((r, C))
+    if cache_mode == 1:
+        bs = 4
+        cols = -(-(int(sp.max()) + L) // bs)
+        bt = (1 + np.arange(B * cols)).reshape(B, cols)
+        bt[rng.random(bt.shape) < 0.3] = 0
+        bn = B * cols + 1
+    else:
+        bs = coff * r + L - 1
+        bt, bn = rng.permutation(B), B + 1
+    sc = rng.uniform(-2, 2, (bn, bs, 2 * C)).astype(np.float32)
+    kw = dict(cmp_ratio=r, coff=coff, cu_seqlens=cu, seqused=su, start_pos=sp, io_dtype="fp32")
+    f = O.forward(x, wkv, wg, ape, sc, bt, cache_mode=cache_mode, **kw)
+    pl = f["plan"]
+    assert pl.N >= 3
+    dC = rng.standard_normal((pl.out_rows, D))
+    Sf = np.zeros((pl.out_rows, coff * r, D))
+    Kf = np.zeros_like(Sf)
+    Sf[pl.blk_out], Kf[pl.blk_out] = f["raw"]["S"], f["raw"]["K"]
+    g = O.backward(x, wkv, wg, dC, Sf, Kf, **kw)["raw"]
+
+    def loss(args):
+        ff = O.forward(*args, sc, bt, cache_mode=cache_mode, **kw)
+        return float((ff["raw"]["cmp"] * dC[pl.blk_out]).sum())
+
+    base = [x, wkv, wg, ape]
+    for idx, grad in enumerate([g["d_x"], g["d_wkv"], g["d_wgate"], g["d_ape"]]):
+        arr = base[idx]
+        num = np.zeros(arr.size)
+        for e in range(arr.size):
+            h = 1e-6
+            p, m = arr.copy().ravel(), arr.copy().ravel()
+            p[e] += h
+            m[e] -= h
+            ap, am = list(base), list(base)
+            ap[idx], am[idx] = p.reshape(arr.shape), m.reshape(arr.shape)
+            num[e] = (loss(ap) - loss(am)) / (2 * h)
+        err = np.abs(num - np.ravel(grad)).max() / max(np.abs(num).max(), 1e-12)
+        assert err < 1e-7, (idx, err)
