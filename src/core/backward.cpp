@@ -88,13 +88,8 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
   }
 
   BackwardBuffers buf(d, WorkspaceLayout::align(workspace));
-  const auto* wkv = static_cast<const unsigned char*>(args.wkv.data);
-  const auto* wgate = static_cast<const unsigned char*>(args.wgate.data);
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (std::int64_t c = 0; c < C; ++c) {
-    to_f32(wkv + static_cast<std::size_t>(c * H) * io_size, d.io, buf.wcat + c * buf.ld_h, H);
-    to_f32(wgate + static_cast<std::size_t>(c * H) * io_size, d.io, buf.wcat + (C + c) * buf.ld_h, H);
-  }
+  rows_to_f32(args.wkv.data, d.io, C, H, buf.wcat, buf.ld_h, num_threads);
+  rows_to_f32(args.wgate.data, d.io, C, H, buf.wcat + C * buf.ld_h, buf.ld_h, num_threads);
   std::fill(buf.dape, buf.dape + d.r * C, 0.0);
   std::fill(buf.dwcat, buf.dwcat + 2 * C * buf.ld_h, 0.0f);
 

@@ -61,13 +61,8 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
   const std::int64_t H = d.H, C = d.C;
   ForwardBuffers buf(d, WorkspaceLayout::align(workspace));
   const std::size_t io_size = dtype_size(d.io);
-  const auto* wkv = static_cast<const unsigned char*>(args.wkv.data);
-  const auto* wgate = static_cast<const unsigned char*>(args.wgate.data);
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (std::int64_t c = 0; c < C; ++c) {
-    to_f32(wkv + static_cast<std::size_t>(c * H) * io_size, d.io, buf.wcat + c * buf.ld_h, H);
-    to_f32(wgate + static_cast<std::size_t>(c * H) * io_size, d.io, buf.wcat + (C + c) * buf.ld_h, H);
-  }
+  rows_to_f32(args.wkv.data, d.io, C, H, buf.wcat, buf.ld_h, num_threads);
+  rows_to_f32(args.wgate.data, d.io, C, H, buf.wcat + C * buf.ld_h, buf.ld_h, num_threads);
   zero_padding_rows(args, plan);
 
   ForwardBlockIo io;
@@ -93,11 +88,8 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
                    static_cast<std::size_t>((a - first) * buf.ld_c2) * sizeof(float));
     prev_first = first;
     float* rows = buf.proj + (a - first) * buf.ld_c2;
-    const auto* x_rows =
-        static_cast<const unsigned char*>(args.x.data) + static_cast<std::size_t>(a * H) * io_size;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (std::int64_t i = 0; i < n; ++i)
-      to_f32(x_rows + static_cast<std::size_t>(i * H) * io_size, d.io, buf.xf + i * buf.ld_h, H);
+    rows_to_f32(static_cast<const unsigned char*>(args.x.data) + static_cast<std::size_t>(a * H) * io_size,
+                d.io, n, H, buf.xf, buf.ld_h, num_threads);
     // [new_kv | new_score] = x . [wkv ; wgate]^T
     if (!gemm_f32(n, 2 * C, H, {buf.xf, buf.ld_h, false}, {buf.wcat, buf.ld_h, true}, rows, buf.ld_c2, false,
                   num_threads))

@@ -32,6 +32,9 @@ inline float round_to_io(float v, DType dt) {
 }
 
 void to_f32(const void* src, DType dt, float* dst, std::int64_t n);
+// A row-major [rows, cols] io matrix into fp32 rows with leading dimension ld.
+void rows_to_f32(const void* src, DType dt, std::int64_t rows, std::int64_t cols, float* dst, std::int64_t ld,
+                 int num_threads);
 void from_f32(const float* src, void* dst, DType dt, std::int64_t n);
 
 }  // namespace kvcomp::detail
