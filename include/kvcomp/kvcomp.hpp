@@ -20,12 +20,14 @@
 #include <optional>
 #include <string>
 
+#include "kvcomp/export.hpp"
+
 namespace kvcomp {
 
 enum class DType : int { f32 = 0, f16 = 1, bf16 = 2, i32 = 3 };
 
-std::size_t dtype_size(DType dt);
-const char* dtype_name(DType dt);
+KVCOMP_API std::size_t dtype_size(DType dt);
+KVCOMP_API const char* dtype_name(DType dt);
 
 // Status codes carry the aclnn numbers so that both front doors report alike.
 enum class StatusCode : int {
@@ -55,10 +57,10 @@ struct Tensor {
   std::array<std::int64_t, kMaxRank> shape{};
 
   Tensor() = default;
-  Tensor(void* ptr, DType dt, std::initializer_list<std::int64_t> dims);
+  KVCOMP_API Tensor(void* ptr, DType dt, std::initializer_list<std::int64_t> dims);
   std::int64_t dim(int i) const { return shape[static_cast<std::size_t>(i)]; }
   // Product of the dims (1 for rank 0); -1 if it overflows int64.
-  std::int64_t numel() const;
+  KVCOMP_API std::int64_t numel() const;
 };
 
 // aclnn: exactly the ranges the Ascend operator accepts (D in {128,512},
@@ -122,7 +124,7 @@ struct BackwardPlanState;
 
 // A validated, ready-to-run call. Holds the views of the Args (not the data):
 // the memory they point to must stay valid until execute() returns.
-class ForwardPlan {
+class KVCOMP_API ForwardPlan {
  public:
   std::size_t workspace_size() const;
   bool valid() const { return state_ != nullptr; }
@@ -133,7 +135,7 @@ class ForwardPlan {
   friend Status execute(ForwardPlan&, void*, std::size_t);
 };
 
-class BackwardPlan {
+class KVCOMP_API BackwardPlan {
  public:
   std::size_t workspace_size() const;
   bool valid() const { return state_ != nullptr; }
@@ -145,23 +147,23 @@ class BackwardPlan {
 };
 
 // Phase one: validate every rule and size the workspace. Writes nothing.
-Status plan_forward(const ForwardArgs& args, const Options& options, ForwardPlan* plan);
-Status plan_backward(const BackwardArgs& args, const Options& options, BackwardPlan* plan);
+KVCOMP_API Status plan_forward(const ForwardArgs& args, const Options& options, ForwardPlan* plan);
+KVCOMP_API Status plan_backward(const BackwardArgs& args, const Options& options, BackwardPlan* plan);
 
 // Phase two: run. The workspace must hold at least plan.workspace_size() bytes
 // (64-byte alignment is best; any alignment works).
-Status execute(ForwardPlan& plan, void* workspace, std::size_t workspace_size);
-Status execute(BackwardPlan& plan, void* workspace, std::size_t workspace_size);
+KVCOMP_API Status execute(ForwardPlan& plan, void* workspace, std::size_t workspace_size);
+KVCOMP_API Status execute(BackwardPlan& plan, void* workspace, std::size_t workspace_size);
 
 // One call: plan, allocate the workspace, execute.
-Status compressor_forward(const ForwardArgs& args, const Options& options = {});
-Status compressor_backward(const BackwardArgs& args, const Options& options = {});
+KVCOMP_API Status compressor_forward(const ForwardArgs& args, const Options& options = {});
+KVCOMP_API Status compressor_backward(const BackwardArgs& args, const Options& options = {});
 
 // Output row count of cmp_kv / d_cmp_kv for a layout: BSH ceil(S/r) per
 // batch, TH min(T, T/r + B). Useful to size outputs.
-std::int64_t compressed_rows_bsh(std::int64_t S, std::int64_t cmp_ratio);
-std::int64_t compressed_rows_th(std::int64_t T, std::int64_t B, std::int64_t cmp_ratio);
+KVCOMP_API std::int64_t compressed_rows_bsh(std::int64_t S, std::int64_t cmp_ratio);
+KVCOMP_API std::int64_t compressed_rows_th(std::int64_t T, std::int64_t B, std::int64_t cmp_ratio);
 
-const char* version();
+KVCOMP_API const char* version();
 
 }  // namespace kvcomp
