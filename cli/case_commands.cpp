@@ -71,8 +71,14 @@ void print_error(int code, const std::string& message) {
   std::fprintf(stderr, "error %d: %s\n", code, message.c_str());
 }
 
+void warn_ignored(const io::CaseMeta& m) {
+  for (const auto& k : m.ignored_keys)
+    std::fprintf(stderr, "warning: meta.json key \"%s\" is not a kvcomp parameter; ignored\n", k.c_str());
+}
+
 int run_grad(const CaseOptions& o) {
   io::GradCase c = io::load_grad_case(o.in_dir);
+  warn_ignored(c.meta);
   const Sizing s = size_outputs(c);
   const DType io_dt = c.meta.dtype;
   HostTensor d_x = HostTensor::zeros(io_dt, c.x.shape);
@@ -107,6 +113,7 @@ int run_grad(const CaseOptions& o) {
 
 int run_fwd(const CaseOptions& o) {
   io::FwdCase c = io::load_fwd_case(o.in_dir);
+  warn_ignored(c.meta);
   const Sizing s = size_outputs(c);
   const DType io_dt = c.meta.dtype;
   const bool grad = c.meta.grad_enabled;

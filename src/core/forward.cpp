@@ -39,7 +39,7 @@ void zero_padding_rows(const ForwardArgs& args, const BlockPlan& plan) {
                     static_cast<std::size_t>(first * d.D) * dtype_size(d.io),
                 0, static_cast<std::size_t>(count * d.D) * dtype_size(d.io));
     for (const Tensor* t : {&args.softmax_score, &args.kv})
-      if (t->data)
+      if (args.grad_enabled && t->data)
         std::memset(static_cast<float*>(t->data) + first * cr * d.D, 0,
                     static_cast<std::size_t>(count * cr * d.D) * sizeof(float));
   };

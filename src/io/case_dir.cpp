@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -36,9 +37,6 @@ constexpr std::uint64_t kMaxMetaBytes = 1u << 20;
 // Same cap as the .npy reader: a stride in meta.json must not make us
 // allocate more than any real file could hold.
 constexpr std::uint64_t kMaxTensorBytes = std::uint64_t{64} << 30;
-
-const char* const kKnownKeys =
-    "cmp_ratio, coff, dtype, layout, cache_mode, state_cache_stride0, grad_enabled";
 
 std::int64_t json_int(const json& v, const std::string& key, const std::string& name) {
   if (!v.is_number_integer()) bad(name, "\"" + key + "\" must be an integer, got " + v.dump());
@@ -191,6 +189,28 @@ std::size_t dtype_bytes(DType dt) {
   return 1;
 }
 
+namespace {
+
+// Lower case, without underscores: "cmpRatio", "cmp_ratio" and "CMP_RATIO" meet.
+std::string normalized_key(const std::string& key) {
+  std::string out;
+  for (char ch : key)
+    if (ch != '_') out += static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  return out;
+}
+
+// The snake_case name of a known key, or the key itself when unknown.
+std::string canonical_key(const std::string& key) {
+  static const char* const known[] = {"cmp_ratio",           "coff",        "dtype", "layout", "cache_mode",
+                                      "state_cache_stride0", "grad_enabled"};
+  const std::string n = normalized_key(key);
+  for (const char* k : known)
+    if (normalized_key(k) == n) return k;
+  return key;
+}
+
+}  // namespace
+
 CaseMeta parse_meta(std::string_view text, const std::string& name) {
   std::set<std::string> seen;
   std::string duplicate;
@@ -200,7 +220,7 @@ CaseMeta parse_meta(std::string_view text, const std::string& name) {
     // two "coff" entries is a mistake worth reporting.
     j = json::parse(text.begin(), text.end(), [&](int depth, json::parse_event_t event, json& parsed) {
       if (event == json::parse_event_t::key && depth == 1 && parsed.is_string()) {
-        if (!seen.insert(parsed.get<std::string>()).second && duplicate.empty())
+        if (!seen.insert(normalized_key(parsed.get<std::string>())).second && duplicate.empty())
           duplicate = parsed.get<std::string>();
       }
       return true;
@@ -213,7 +233,10 @@ CaseMeta parse_meta(std::string_view text, const std::string& name) {
 
   CaseMeta m;
   bool have_ratio = false, have_dtype = false;
-  for (const auto& [key, v] : j.items()) {
+  for (const auto& [raw_key, v] : j.items()) {
+    // Keys match whatever the spelling convention: cmp_ratio, cmpRatio,
+    // CMP_RATIO (the aclnn parameters are camelCase, the spec's snake_case).
+    const std::string key = canonical_key(raw_key);
     if (key == "cmp_ratio") {
       m.cmp_ratio = json_int(v, key, name);
       have_ratio = true;
@@ -221,17 +244,18 @@ CaseMeta parse_meta(std::string_view text, const std::string& name) {
       m.coff = json_int(v, key, name);
     } else if (key == "dtype") {
       const std::string s = json_string(v, key, name);
-      if (s == "bf16")
+      if (s == "bf16" || s == "bfloat16")
         m.dtype = DType::bf16;
-      else if (s == "fp16")
+      else if (s == "fp16" || s == "float16" || s == "half")
         m.dtype = DType::f16;
-      else if (s == "fp32")
+      else if (s == "fp32" || s == "float32" || s == "float")
         m.dtype = DType::f32;
       else
         bad(name, "\"dtype\" must be \"bf16\", \"fp16\" or \"fp32\", got \"" + s + "\"");
       have_dtype = true;
     } else if (key == "layout") {
-      const std::string s = json_string(v, key, name);
+      std::string s = json_string(v, key, name);
+      for (char& ch : s) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
       if (s != "BSH" && s != "TH") bad(name, "\"layout\" must be \"BSH\" or \"TH\", got \"" + s + "\"");
       m.layout = s;
     } else if (key == "cache_mode") {
@@ -242,7 +266,7 @@ CaseMeta parse_meta(std::string_view text, const std::string& name) {
       if (!v.is_boolean()) bad(name, "\"grad_enabled\" must be true or false, got " + v.dump());
       m.grad_enabled = v.get<bool>();
     } else {
-      bad(name, "unknown key \"" + key + "\" (known: " + kKnownKeys + ")");
+      m.ignored_keys.push_back(raw_key);
     }
   }
   if (!have_ratio) bad(name, "required key \"cmp_ratio\" is missing");

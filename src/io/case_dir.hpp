@@ -39,6 +39,7 @@ struct CaseMeta {
   std::int64_t cache_mode = 1;
   std::int64_t state_cache_stride0 = 0;
   bool grad_enabled = true;
+  std::vector<std::string> ignored_keys;  // keys that name nothing kvcomp knows (callers warn)
 };
 
 // `name` is used in messages. Throws IoError (contents).

@@ -252,12 +252,14 @@ Status validate_forward(const ForwardArgs& a, const Options& o, BlockPlan* plan)
       !s.ok())
     return s;
   if (auto s = check_rank_dtype("cmp_kv", a.cmp_kv, d.io, a.x.rank); !s.ok()) return s;
-  const bool want_saved = a.grad_enabled || a.softmax_score.data || a.kv.data;
-  if (want_saved) {
+  // Without grad_enabled the saved outputs are not written; like the Ascend
+  // tiling, only their dtype and rank are checked when they are given.
+  const bool want_saved = a.grad_enabled;
+  if (want_saved || a.softmax_score.data)
     if (auto s = check_rank_dtype("softmax_score", a.softmax_score, DType::f32, a.x.rank + 1); !s.ok())
       return s;
+  if (want_saved || a.kv.data)
     if (auto s = check_rank_dtype("kv", a.kv, DType::f32, a.x.rank + 1); !s.ok()) return s;
-  }
   const std::int64_t bs = a.state_cache.dim(1);
   if (a.state_cache.dim(0) < 1 || bs < 1)
     return shape("state_cache (shape " + shape_str(a.state_cache) + ") must not be empty");
@@ -303,8 +305,10 @@ Status validate_backward(const BackwardArgs& a, const Options& o, BlockPlan* pla
                                                             {"d_wkv", &a.d_wkv},
                                                             {"d_wgate", &a.d_wgate},
                                                             {"d_ape", &a.d_ape}};
+  // An empty tensor may come without storage: it is reported as empty
+  // (561002) below, not as a null pointer.
   for (const auto& [name, t] : required)
-    if (auto s = check_present(name, *t); !s.ok()) return s;
+    if (auto s = check_present(name, *t, true); !s.ok()) return s;
   Dims d;
   if (auto s = validate_sequence(a, o, false, &d); !s.ok()) return s;
   if (auto s = check_rank_dtype("d_cmp_kv", a.d_cmp_kv, d.io, a.x.rank); !s.ok()) return s;
