@@ -142,9 +142,9 @@ TEST_P(Sweep, ForwardMatchesOracle) {
       c_k.push_back(static_cast<float>(high.kv[row * blk + i]));
     }
   }
-  EXPECT_TRUE(fp32_projection_accuracy(a_cmp, b_cmp, c_cmp, c.io)) << "cmp_kv";
+  EXPECT_TRUE(projection_accuracy(a_cmp, b_cmp, c_cmp, c.io)) << "cmp_kv";
   KVCOMP_EXPECT_THREE_WAY("softmax_score", a_s, b_s, c_s, DType::f32);
-  EXPECT_TRUE(fp32_projection_accuracy(a_k, b_k, c_k, DType::f32)) << "kv";
+  EXPECT_TRUE(projection_accuracy(a_k, b_k, c_k, DType::f32)) << "kv";
 
   // State cache: slots the oracle wrote match (two-party, io tolerance, as
   // upstream); every other float is bitwise unchanged.

@@ -16,6 +16,7 @@
 #include "kvcomp/half.hpp"
 #include "kvcomp/kvcomp.hpp"
 #include "reference/reference.hpp"
+#include "three_way.hpp"
 
 namespace kvcomp::test {
 
@@ -166,26 +167,6 @@ inline ref::ForwardInputs<float> to_float(const ref::ForwardInputs<double>& in) 
   f.cache.table_cols = in.cache.table_cols;
   f.cache.data = convert<float>(in.cache.data);
   return f;
-}
-
-// Rounds to the given dtype and back (round to nearest even; via fp32 first,
-// which can double-round only on exact fp32 ties, irrelevant for tests).
-inline double round_to_dtype(double v, DType dt) {
-  const float f = static_cast<float>(v);
-  switch (dt) {
-    case DType::bf16:
-      return static_cast<double>(bf16_to_float(float_to_bf16(f)));
-    case DType::f16:
-      return static_cast<double>(fp16_to_float(float_to_fp16(f)));
-    default:
-      return static_cast<double>(f);
-  }
-}
-
-inline std::vector<double> round_to_dtype(const std::vector<double>& v, DType dt) {
-  std::vector<double> out(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) out[i] = round_to_dtype(v[i], dt);
-  return out;
 }
 
 // Convenience: the io inputs (x, wkv, wgate) rounded to an io dtype in place,
