@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "io/case_dir.hpp"
 #include "kvcomp/kvcomp.hpp"
@@ -43,6 +44,17 @@ struct DemoOptions {
 };
 
 int run_demo(const DemoOptions& o);
+
+struct BenchOptions {
+  std::string preset = "all";  // C4A, C4Li, C128A or all
+  std::vector<std::int64_t> tokens{4096, 16384};
+  std::int64_t hidden = 4096;
+  std::int64_t varlen = 64;  // also a TH case with this many sequences (<= 1: BSH only)
+  int repeat = 3;
+  int threads = 0;
+};
+
+int run_bench(const BenchOptions& o);
 
 // Prints "error <code>: <message>" to stderr.
 void print_error(int code, const std::string& message);

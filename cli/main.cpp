@@ -20,7 +20,8 @@ Case directory (--in DIR):
   meta.json      {"cmp_ratio": 4, "coff": 2, "dtype": "bf16"}; dtype is bf16, fp16 or fp32.
                  Optional: "layout" ("BSH" | "TH", checked against the rank of x),
                  "cache_mode", "state_cache_stride0", "grad_enabled" (fwd; default true).
-                 Unknown keys are an error.
+                 Keys may also be spelled cmpRatio, CACHE_MODE, ...; unknown keys are
+                 ignored with a warning.
   x.npy wkv.npy wgate.npy                    x is [B,S,H] (BSH) or [T,H] (TH)
   cu_seqlens.npy seqused.npy start_pos.npy   optional; int32 (int64 accepted)
   grad:  d_cmp_kv.npy softmax_score.npy kv.npy
@@ -138,6 +139,25 @@ int run(int argc, char** argv) {
       ->capture_default_str();
   demo->add_option("--seed", demo_o.seed, "Random seed")->capture_default_str();
   demo->footer(std::string(kDemoFooter) + kExitFooter);
+  BenchOptions bench_o;
+  CLI::App* bench = app.add_subcommand(
+      "bench", "Time both operators on model shapes against their matrix products alone (oneDNN)");
+  bench->add_option("--preset", bench_o.preset, "C4A, C4Li, C128A or all")
+      ->check(CLI::IsMember({"all", "C4A", "C4Li", "C128A"}))
+      ->capture_default_str();
+  bench->add_option("--tokens", bench_o.tokens, "Token counts T (one case each)")
+      ->check(positive)
+      ->capture_default_str();
+  bench->add_option("--hidden", bench_o.hidden, "Hidden size H")->check(positive)->capture_default_str();
+  bench->add_option("--varlen", bench_o.varlen, "Also a TH case with this many sequences (<= 1: none)")
+      ->capture_default_str();
+  bench->add_option("--repeat", bench_o.repeat, "Timed runs per figure (the best is shown)")
+      ->check(CLI::Range(1, 1000))
+      ->capture_default_str();
+  bench->add_option("--threads", bench_o.threads, "OpenMP threads (0: the OpenMP default)")
+      ->check(CLI::Range(0, 4096))
+      ->capture_default_str();
+  bench->footer(kExitFooter);
   // Set last: subcommands copy the parent's footer when they are created.
   app.footer(std::string(kCaseFooter) + kExitFooter + kExamples);
 
@@ -159,6 +179,7 @@ int run(int argc, char** argv) {
       return run_fwd(fwd_o);
     }
     if (demo->parsed()) return run_demo(demo_o);
+    if (bench->parsed()) return run_bench(bench_o);
   } catch (const io::IoError& e) {
     print_error(e.code(), e.what());
     return kExitUsage;
