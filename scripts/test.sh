@@ -3,6 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
+bash scripts/install-torch.sh
 bash scripts/install-python-deps.sh
 bash scripts/build.sh
 ctest --test-dir build --output-on-failure --parallel "$(nproc)" --timeout 900

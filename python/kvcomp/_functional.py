@@ -1,0 +1,268 @@
+"""Functional calls of the two operators on torch tensors or numpy arrays.
+
+The C++ core works on caller-owned memory, so this layer allocates the outputs
+(of the caller's array kind) and passes views through DLPack / the buffer
+protocol: contiguous CPU inputs are never copied, bf16 torch tensors included.
+"""
+
+import sys
+import threading
+
+import numpy as np
+
+from . import _C
+from ._errors import INVALID_PARAM, KvcompError
+
+_PROFILES = ("extended", "aclnn")
+_PRECISIONS = ("precise", "npu_parity")
+
+_defaults_lock = threading.Lock()
+_defaults = {"profile": "extended", "precision": "precise", "num_threads": 0}
+
+
+def set_default_options(profile=None, precision=None, num_threads=None):
+    """Sets the options used when a call does not pass its own.
+
+    They also apply to ``kvcomp.torch.compressor``, whose signature is the
+    upstream one and so has no room for them.
+
+    Args:
+        profile: ``"extended"`` (default: any D, H >= 1, 1 <= cmp_ratio <= 1024,
+            fp32 io allowed) or ``"aclnn"`` (exactly the NPU's ranges).
+        precision: ``"precise"`` (default; the backward keeps d_new_kv /
+            d_new_score in fp32) or ``"npu_parity"`` (rounds them to the io
+            dtype first, as the NPU kernel does).
+        num_threads: OpenMP threads, 0 for OpenMP's default. Results never
+            depend on it.
+
+    Returns:
+        The previous defaults as a dict (pass it back with ``**`` to restore).
+    """
+    with _defaults_lock:
+        previous = dict(_defaults)
+        if profile is not None:
+            _check_choice("profile", profile, _PROFILES)
+            _defaults["profile"] = profile
+        if precision is not None:
+            _check_choice("precision", precision, _PRECISIONS)
+            _defaults["precision"] = precision
+        if num_threads is not None:
+            if int(num_threads) < 0:
+                raise KvcompError(INVALID_PARAM, f"[kvcomp] num_threads (= {num_threads}) must be >= 0")
+            _defaults["num_threads"] = int(num_threads)
+    return previous
+
+
+def get_default_options():
+    """The options used when a call passes none (see set_default_options)."""
+    with _defaults_lock:
+        return dict(_defaults)
+
+
+def _check_choice(name, value, choices):
+    if value not in choices:
+        raise KvcompError(INVALID_PARAM, f"[kvcomp] {name} (= {value!r}) must be one of {', '.join(choices)}")
+
+
+def _options(profile, precision, num_threads):
+    d = get_default_options()
+    return (
+        d["profile"] if profile is None else profile,
+        d["precision"] if precision is None else precision,
+        d["num_threads"] if num_threads is None else int(num_threads),
+    )
+
+
+def _is_torch(a):
+    torch = sys.modules.get("torch")  # no torch import for numpy-only users
+    return torch is not None and isinstance(a, torch.Tensor)
+
+
+def _in(a, name):
+    """An input view for the core: contiguous CPU memory, no copy when it already is."""
+    if a is None:
+        return None
+    if _is_torch(a):
+        if a.device.type != "cpu":
+            raise KvcompError(
+                INVALID_PARAM, f"[kvcomp] {name} (= a tensor on {a.device}) must be a CPU tensor; use .cpu()"
+            )
+        # DLPack refuses tensors that require grad; the core never records autograd history anyway.
+        return a.detach().contiguous()
+    return np.ascontiguousarray(a)
+
+
+def _inout(a, name):
+    """The state cache: written in place, so it is never copied (dim 0 may be strided)."""
+    if _is_torch(a):
+        if a.device.type != "cpu":
+            raise KvcompError(
+                INVALID_PARAM, f"[kvcomp] {name} (= a tensor on {a.device}) must be a CPU tensor; use .cpu()"
+            )
+        return a.detach()
+    if not isinstance(a, np.ndarray):
+        raise KvcompError(
+            INVALID_PARAM, f"[kvcomp] {name} (= {type(a).__name__}) must be a torch tensor or numpy array"
+        )
+    return a
+
+
+def _empty(like, shape, fp32=False):
+    """An uninitialised output of the same kind as `like` (the core writes every element)."""
+    if _is_torch(like):
+        torch = sys.modules["torch"]
+        return torch.empty(shape, dtype=torch.float32 if fp32 else like.dtype)
+    return np.empty(shape, dtype=np.float32 if fp32 else like.dtype)
+
+
+def _dims(a):
+    return tuple(int(d) for d in a.shape)
+
+
+def compressed_leading_shape(x_shape, cu_seqlens_len, cmp_ratio):
+    """Leading dims of cmp_kv / softmax_score / kv: BSH (B, ceil(S/r)), TH (min(T, T//r + B),).
+
+    Invalid inputs give some shape; the core then rejects the call with its own sentence.
+    """
+    r = max(int(cmp_ratio), 1)
+    if len(x_shape) == 3:
+        return (x_shape[0], -(-x_shape[1] // r))
+    if len(x_shape) == 2:
+        batches = max(cu_seqlens_len - 1, 0)
+        return (min(x_shape[0], x_shape[0] // r + batches),)
+    return (0,)
+
+
+def _width(wkv, coff):
+    shape = _dims(wkv)
+    return shape[0] // int(coff) if len(shape) == 2 and int(coff) > 0 else 0
+
+
+def compressor_forward(
+    x,
+    wkv,
+    wgate,
+    state_cache,
+    ape,
+    cmp_ratio=4,
+    *,
+    state_block_table=None,
+    cu_seqlens=None,
+    seqused=None,
+    start_pos=None,
+    coff=1,
+    cache_mode=1,
+    grad_enabled=False,
+    profile=None,
+    precision=None,
+    num_threads=None,
+):
+    """The Compressor forward (aclnnCompressor) on torch tensors or numpy arrays.
+
+    Shapes (D head dim, C = coff*D, r = cmp_ratio, io = bf16 | fp16 | fp32):
+        x                  io      BSH [B, S, H] or TH [T, H] (then cu_seqlens is required)
+        wkv, wgate         io      [C, H]
+        state_cache        fp32    [block_num, block_size, 2*C], updated in place (dim 0 may be strided)
+        ape                fp32    [r, C]
+        state_block_table  int32   cache_mode 1: [B, ceil(Smax/block_size)]; cache_mode 2: [B]. Required.
+        cu_seqlens         int32   [B+1] (TH only)
+        seqused, start_pos int32   [B], optional (whole sequences / all zero)
+
+    Returns:
+        (cmp_kv, softmax_score, kv) of the kind of ``x`` (torch tensor or numpy array):
+        cmp_kv io BSH [B, ceil(S/r), D] / TH [min(T, T//r + B), D]; softmax_score and kv fp32
+        [..., coff*r, D] (kv is the raw assembled block, rows interleaved prev0, cur0, ... when
+        coff = 2), or None when ``grad_enabled`` is false. Padding rows are zero.
+
+    Raises:
+        KvcompError: the call was rejected (``.code`` is the aclnn status); nothing was written.
+    """
+    opts = _options(profile, precision, num_threads)
+    xs, cu = _in(x, "x"), _in(cu_seqlens, "cu_seqlens")
+    lead = compressed_leading_shape(
+        _dims(xs), _dims(cu)[0] if cu is not None and cu.ndim == 1 else 0, cmp_ratio
+    )
+    d = _width(wkv, coff)
+    cmp_kv = _empty(xs, lead + (d,))
+    softmax_score = kv = None
+    if grad_enabled:
+        block = (max(int(coff), 0) * max(int(cmp_ratio), 0), d)
+        softmax_score = _empty(xs, lead + block, fp32=True)
+        kv = _empty(xs, lead + block, fp32=True)
+    _C.forward(
+        xs,
+        _in(wkv, "wkv"),
+        _in(wgate, "wgate"),
+        _inout(state_cache, "state_cache"),
+        _in(ape, "ape"),
+        _in(state_block_table, "state_block_table"),
+        cu,
+        _in(seqused, "seqused"),
+        _in(start_pos, "start_pos"),
+        int(cmp_ratio),
+        int(coff),
+        int(cache_mode),
+        cmp_kv,
+        softmax_score,
+        kv,
+        *opts,
+    )
+    return cmp_kv, softmax_score, kv
+
+
+def compressor_grad(
+    x,
+    wkv,
+    wgate,
+    d_cmp_kv,
+    softmax_score,
+    kv,
+    cmp_ratio=4,
+    *,
+    cu_seqlens=None,
+    seqused=None,
+    start_pos=None,
+    coff=1,
+    profile=None,
+    precision=None,
+    num_threads=None,
+):
+    """The CompressorGrad backward (aclnnCompressorGrad) on torch tensors or numpy arrays.
+
+    Shapes: x, wkv, wgate, cu_seqlens, seqused, start_pos, cmp_ratio, coff exactly as given to the
+    forward; d_cmp_kv io, shape of cmp_kv; softmax_score, kv fp32 from the forward
+    (``grad_enabled=True``).
+
+    Returns:
+        (d_x, d_wkv, d_wgate, d_ape) of the kind of ``x``: d_x io shape of x (zero rows for tokens in
+        no compressed block), d_wkv and d_wgate io [C, H], d_ape fp32 [r, C]. No block at all gives
+        four zero outputs.
+
+    Raises:
+        KvcompError: the call was rejected (``.code`` is the aclnn status); nothing was written.
+    """
+    opts = _options(profile, precision, num_threads)
+    xs, ws, gs = _in(x, "x"), _in(wkv, "wkv"), _in(wgate, "wgate")
+    d_x = _empty(xs, _dims(xs))
+    d_wkv = _empty(xs, _dims(ws))
+    d_wgate = _empty(xs, _dims(gs))
+    d_ape = _empty(xs, (max(int(cmp_ratio), 0), _dims(ws)[0] if len(_dims(ws)) == 2 else 0), fp32=True)
+    _C.backward(
+        xs,
+        ws,
+        gs,
+        _in(d_cmp_kv, "d_cmp_kv"),
+        _in(softmax_score, "softmax_score"),
+        _in(kv, "kv"),
+        _in(cu_seqlens, "cu_seqlens"),
+        _in(seqused, "seqused"),
+        _in(start_pos, "start_pos"),
+        int(cmp_ratio),
+        int(coff),
+        d_x,
+        d_wkv,
+        d_wgate,
+        d_ape,
+        *opts,
+    )
+    return d_x, d_wkv, d_wgate, d_ape

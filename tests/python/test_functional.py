@@ -1,0 +1,230 @@
+"""kvcomp.compressor_forward / kvcomp.compressor_grad on numpy arrays and torch tensors: output kinds,
+dtypes and shapes, in-place state cache, agreement between the two array kinds, options, and the
+errors (kvcomp.KvcompError with the aclnn code and the validation sentence)."""
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+import kvcomp
+from support import make_case, reference_grads
+
+
+def np_args(case):
+    """The case as numpy arrays (fp16 / fp32 io; numpy has no bfloat16)."""
+    k = case.kwargs()
+    conv = lambda t: None if t is None else t.numpy()  # noqa: E731
+    return (
+        case.x.numpy(),
+        case.wkv.numpy(),
+        case.wgate.numpy(),
+        case.state_cache.numpy().copy(),
+        case.ape.numpy(),
+    ), {
+        n: conv(v) if n in ("state_block_table", "cu_seqlens", "seqused", "start_pos") else v
+        for n, v in k.items()
+    }
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "fp32"])
+@pytest.mark.parametrize("th", [False, True])
+def test_numpy_in_numpy_out_matches_torch(dtype, th):
+    case = make_case(lens=[13, 9], th=th, r=4, coff=2, start_pos=[5, 2], dtype=dtype, seed=1)
+    args, kw = np_args(case)
+    cmp_np, s_np, k_np = kvcomp.compressor_forward(*args, case.cmp_ratio, grad_enabled=True, **kw)
+    assert all(isinstance(a, np.ndarray) for a in (cmp_np, s_np, k_np))
+    assert cmp_np.dtype == args[0].dtype and s_np.dtype == np.float32 and k_np.dtype == np.float32
+
+    cache_t = case.state_cache.clone()
+    cmp_t, s_t, k_t = kvcomp.compressor_forward(
+        case.x, case.wkv, case.wgate, cache_t, case.ape, case.cmp_ratio, grad_enabled=True, **case.kwargs()
+    )
+    assert all(isinstance(a, torch.Tensor) for a in (cmp_t, s_t, k_t))
+    # Same core, same inputs: bitwise the same results, and the numpy cache was updated in place too.
+    assert np.array_equal(cmp_np, cmp_t.numpy()) and np.array_equal(s_np, s_t.numpy())
+    assert np.array_equal(k_np, k_t.numpy()) and np.array_equal(args[3], cache_t.numpy())
+    assert not np.array_equal(args[3], case.state_cache.numpy())
+
+    d = np.random.default_rng(0).standard_normal(cmp_np.shape).astype(cmp_np.dtype)
+    gkw = {n: kw[n] for n in ("cu_seqlens", "seqused", "start_pos", "coff")}
+    grads_np = kvcomp.compressor_grad(args[0], args[1], args[2], d, s_np, k_np, case.cmp_ratio, **gkw)
+    grads_t = kvcomp.compressor_grad(
+        case.x,
+        case.wkv,
+        case.wgate,
+        torch.from_numpy(d),
+        s_t,
+        k_t,
+        case.cmp_ratio,
+        cu_seqlens=case.cu_seqlens,
+        seqused=case.seqused,
+        start_pos=case.start_pos,
+        coff=case.coff,
+    )
+    for a, b, like in zip(grads_np, grads_t, (args[0], args[1], args[2], args[4])):
+        assert isinstance(a, np.ndarray) and a.shape == like.shape and a.dtype == like.dtype
+        assert np.array_equal(a, b.numpy())
+
+
+def test_bf16_torch_values_and_kinds():
+    case = make_case(lens=[12, 12], r=4, coff=1, start_pos=[0, 3], dtype="bf16", seed=2)
+    cmp_kv, s, k = kvcomp.compressor_forward(
+        case.x,
+        case.wkv,
+        case.wgate,
+        case.state_cache.clone(),
+        case.ape,
+        4,
+        grad_enabled=True,
+        **case.kwargs()
+    )
+    assert cmp_kv.dtype == torch.bfloat16 and cmp_kv.shape == (2, 3, 8)
+    assert s.shape == k.shape == (2, 3, 4, 8) and s.dtype == torch.float32
+    d = torch.randn(cmp_kv.shape).to(torch.bfloat16)
+    d_x, d_wkv, d_wgate, d_ape = kvcomp.compressor_grad(
+        case.x, case.wkv, case.wgate, d, s, k, 4, start_pos=case.start_pos
+    )
+    assert (d_x.dtype, d_wkv.dtype, d_wgate.dtype, d_ape.dtype) == (torch.bfloat16,) * 3 + (torch.float32,)
+    assert d_ape.shape == (4, 8)
+    out_t, grads_t, _ = reference_grads(case, d, torch.float64)
+    assert torch.allclose(cmp_kv.double(), out_t, rtol=2**-7, atol=1e-3)
+    assert torch.allclose(d_ape.double(), grads_t["d_ape"], rtol=1e-4, atol=1e-5)
+
+
+def test_no_intermediates_without_grad_enabled():
+    case = make_case(lens=[8], r=4, seed=3)
+    cmp_kv, s, k = kvcomp.compressor_forward(
+        case.x, case.wkv, case.wgate, case.state_cache.clone(), case.ape, 4, **case.kwargs()
+    )
+    assert s is None and k is None and cmp_kv.shape == (1, 2, 8)
+
+
+def test_non_contiguous_inputs_are_accepted():
+    case = make_case(lens=[12], r=4, coff=2, seed=4)
+    ref, _, _ = kvcomp.compressor_forward(
+        case.x, case.wkv, case.wgate, case.state_cache.clone(), case.ape, 4, **case.kwargs()
+    )
+    wkv_t = case.wkv.t().contiguous().t()  # same values, column-major
+    assert not wkv_t.is_contiguous()
+    out, _, _ = kvcomp.compressor_forward(
+        case.x, wkv_t, case.wgate, case.state_cache.clone(), case.ape, 4, **case.kwargs()
+    )
+    assert torch.equal(out, ref)
+
+
+def test_empty_forward_input():
+    """B = 0 is legal for the forward (spec 1.7): empty outputs, state cache untouched."""
+    case = make_case(lens=[4], r=4, seed=5)
+    cache = case.state_cache.clone()
+    x = case.x[:0]
+    out, _, _ = kvcomp.compressor_forward(
+        x, case.wkv, case.wgate, cache, case.ape, 4, state_block_table=case.state_block_table[:0]
+    )
+    assert out.shape == (0, 1, 8) and torch.equal(cache, case.state_cache)
+
+
+def test_error_carries_code_and_sentence():
+    case = make_case(lens=[8], r=4, seed=6)
+    with pytest.raises(kvcomp.KvcompError) as e:
+        kvcomp.compressor_forward(
+            case.x, case.wkv, case.wgate, case.state_cache, case.ape, 0, **case.kwargs()
+        )
+    err = e.value
+    assert isinstance(err, RuntimeError)
+    assert err.code == 161002 and err.code_name == "invalid_param"
+    assert err.message.startswith("[kvcomp] cmp_ratio (= 0) must")
+    assert "161002" in str(err)
+    again = pickle.loads(pickle.dumps(err))
+    assert (again.code, again.message) == (err.code, err.message)
+
+
+@pytest.mark.parametrize(
+    "mutate, code, needle",
+    [
+        (lambda a: a.update(wkv=a["wkv"][:, :-1].contiguous()), 561002, "wkv"),
+        (lambda a: a.update(x=a["x"].double()), 161002, "x"),
+        (lambda a: a.update(x=a["x"].to("meta")), 161002, "CPU"),
+        (lambda a: a.update(state_block_table=None), 161001, "state_block_table"),
+        (lambda a: a.update(start_pos=torch.tensor([-1], dtype=torch.int32)), 161002, "start_pos"),
+        (lambda a: a.update(start_pos=torch.tensor([1])), 161002, "start_pos"),  # int64, must be int32
+        (lambda a: a.update(coff=3), 161002, "coff"),
+        (lambda a: a.update(cache_mode=3), 161002, "cache_mode"),
+        (lambda a: a.update(state_cache=a["state_cache"].transpose(1, 2)), 161002, "state_cache"),
+    ],
+)
+def test_rejections(mutate, code, needle):
+    case = make_case(lens=[8], r=4, start_pos=[0], seed=7)
+    a = dict(
+        x=case.x,
+        wkv=case.wkv,
+        wgate=case.wgate,
+        state_cache=case.state_cache.clone(),
+        ape=case.ape,
+        **case.kwargs()
+    )
+    mutate(a)
+    before = case.state_cache.clone()
+    with pytest.raises(kvcomp.KvcompError) as e:
+        kvcomp.compressor_forward(
+            a.pop("x"), a.pop("wkv"), a.pop("wgate"), a.pop("state_cache"), a.pop("ape"), 4, **a
+        )
+    assert e.value.code == code and needle in e.value.message, str(e.value)
+    assert torch.equal(case.state_cache, before)
+
+
+def test_backward_rejections():
+    case = make_case(lens=[8], r=4, seed=8)
+    cmp_kv, s, k = kvcomp.compressor_forward(
+        case.x,
+        case.wkv,
+        case.wgate,
+        case.state_cache.clone(),
+        case.ape,
+        4,
+        grad_enabled=True,
+        **case.kwargs()
+    )
+    with pytest.raises(kvcomp.KvcompError) as e:  # intermediates of the wrong shape
+        kvcomp.compressor_grad(case.x, case.wkv, case.wgate, cmp_kv, s[:, :1], k, 4)
+    assert e.value.code in (161002, 561002) and "softmax_score" in e.value.message
+    with pytest.raises(kvcomp.KvcompError) as e:  # the backward has no empty-tensor path
+        kvcomp.compressor_grad(case.x[:0], case.wkv, case.wgate, cmp_kv[:0], s[:0], k[:0], 4)
+    assert e.value.code == 561002
+
+
+def test_options():
+    case = make_case(lens=[12], r=4, coff=2, start_pos=[2], dtype="bf16", seed=9)
+    args = (case.x, case.wkv, case.wgate, case.state_cache.clone(), case.ape, 4)
+    with pytest.raises(kvcomp.KvcompError, match="aclnn profile") as e:
+        kvcomp.compressor_forward(*args, profile="aclnn", **case.kwargs())
+    assert e.value.code == 161002
+    with pytest.raises(kvcomp.KvcompError, match="precision"):
+        kvcomp.compressor_forward(*args, precision="fast", **case.kwargs())
+    cmp_kv, s, k = kvcomp.compressor_forward(*args, grad_enabled=True, num_threads=1, **case.kwargs())
+    d = torch.randn(cmp_kv.shape).to(torch.bfloat16)
+    gk = dict(start_pos=case.start_pos, coff=2)
+    precise = kvcomp.compressor_grad(case.x, case.wkv, case.wgate, d, s, k, 4, **gk)
+    parity = kvcomp.compressor_grad(case.x, case.wkv, case.wgate, d, s, k, 4, precision="npu_parity", **gk)
+    threads = kvcomp.compressor_grad(case.x, case.wkv, case.wgate, d, s, k, 4, num_threads=2, **gk)
+    assert all(torch.equal(a, b) for a, b in zip(precise, threads))  # results never depend on threads
+    assert torch.equal(precise[3], parity[3])  # d_ape is computed before any io rounding
+    assert not torch.equal(precise[0], parity[0])  # d_x: d_new rounded to bf16 first
+    assert torch.allclose(precise[0].float(), parity[0].float(), rtol=0.05, atol=0.02)
+
+    previous = kvcomp.set_default_options(precision="npu_parity")
+    try:
+        assert kvcomp.get_default_options()["precision"] == "npu_parity"
+        assert torch.equal(
+            kvcomp.compressor_grad(case.x, case.wkv, case.wgate, d, s, k, 4, **gk)[0], parity[0]
+        )
+    finally:
+        kvcomp.set_default_options(**previous)
+    assert kvcomp.get_default_options() == previous
+    with pytest.raises(kvcomp.KvcompError):
+        kvcomp.set_default_options(profile="npu")
+
+
+def test_version():
+    assert kvcomp.__version__.count(".") == 2
