@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <oneapi/dnnl/dnnl.hpp>
 #include <random>
@@ -32,6 +33,14 @@ constexpr Profile kProfiles[] = {{"C4A", 512, 2, 4}, {"C4Li", 128, 2, 4}, {"C128
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Resets the kernel's peak-RSS mark (Linux >= 4.0), so each case reports its own peak.
+void reset_peak_rss() {
+  if (std::FILE* f = std::fopen("/proc/self/clear_refs", "w")) {
+    std::fputs("5", f);
+    std::fclose(f);
+  }
 }
 
 long peak_rss_mib() {
@@ -105,15 +114,28 @@ std::vector<std::uint16_t> random_bf16(std::size_t n, float scale, std::uint64_t
 struct Result {
   double fwd_s = 0, fwd_products_s = 0, bwd_s = 0, bwd_products_s = 0, bwd_products_bf16_s = 0;
   long rss_mib = 0;
+  double compressed_fraction = 0;  // tokens inside compressed blocks / T
 };
 
 Result run_case(const Case& c, const BenchOptions& o) {
   const i64 C = c.p.coff * c.p.D, r = c.p.r, D = c.p.D, cr = c.p.coff * c.p.r, H = c.H, T = c.T;
   const bool th = c.batches > 1;
-  // Sequence lengths: equal shares of T (TH) or one sequence (BSH).
+  // Sequence lengths: one sequence (BSH), or TH lengths drawn uniformly in
+  // [0.5, 1.5] x T/B (seeded) and scaled to sum to T.
   std::vector<std::int32_t> cu(static_cast<std::size_t>(c.batches + 1), 0);
-  for (i64 b = 0; b < c.batches; ++b)
-    cu[static_cast<std::size_t>(b + 1)] = static_cast<std::int32_t>(T * (b + 1) / c.batches);
+  {
+    std::mt19937_64 rng(7);
+    std::uniform_real_distribution<double> u(0.5, 1.5);
+    std::vector<double> w(static_cast<std::size_t>(c.batches));
+    double sum = 0;
+    for (auto& e : w) sum += (e = u(rng));
+    double acc = 0;
+    for (i64 b = 0; b < c.batches; ++b) {
+      acc += w[static_cast<std::size_t>(b)];
+      cu[static_cast<std::size_t>(b + 1)] = static_cast<std::int32_t>(
+          b + 1 == c.batches ? T : std::llround(static_cast<double>(T) * acc / sum));
+    }
+  }
   const i64 B = c.batches;
   const i64 rows = th ? std::min(T, T / r + B) : (T + r - 1) / r;
   auto x = random_bf16(static_cast<std::size_t>(T * H), 1.0f, 1);
@@ -121,7 +143,13 @@ Result run_case(const Case& c, const BenchOptions& o) {
   auto wgate = random_bf16(static_cast<std::size_t>(C * H), 0.02f, 3);
   auto dcmp = random_bf16(static_cast<std::size_t>(rows * D), 1.0f, 4);
   std::vector<float> ape(static_cast<std::size_t>(r * C), 0.01f);
-  const i64 bs = 128, max_len = th ? (T + B - 1) / B + 1 : T, cols = (max_len + bs - 1) / bs;
+  i64 max_len = th ? 0 : T, compressed = th ? 0 : T / r * r;
+  for (i64 b = 0; th && b < B; ++b) {
+    const i64 len = cu[static_cast<std::size_t>(b + 1)] - cu[static_cast<std::size_t>(b)];
+    max_len = std::max(max_len, len);
+    compressed += len / r * r;
+  }
+  const i64 bs = 128, cols = (max_len + bs - 1) / bs;
   std::vector<float> cache(static_cast<std::size_t>((B * cols + 1) * bs * 2 * C), 0.0f);
   std::vector<std::int32_t> table(static_cast<std::size_t>(B * cols));
   for (std::size_t i = 0; i < table.size(); ++i) table[i] = static_cast<std::int32_t>(i + 1);
@@ -160,6 +188,7 @@ Result run_case(const Case& c, const BenchOptions& o) {
   g.d_ape = Tensor(dape.data(), DType::f32, {r, C});
 
   Result res;
+  res.compressed_fraction = static_cast<double>(compressed) / static_cast<double>(T);
   Status st;
   res.fwd_s = best_of(o.repeat, [&] { st = compressor_forward(f, opt); });
   if (!st.ok()) throw std::runtime_error(st.message);
@@ -200,18 +229,22 @@ int run_bench(const BenchOptions& o) {
     if (o.preset != "all" && o.preset != p.name) continue;
     for (i64 T : o.tokens) {
       cases.push_back({p, T, o.hidden, 1});
-      if (o.varlen > 1) cases.push_back({p, T, o.hidden, o.varlen});
+      // At most T / (4r) sequences, so that they are long enough to hold
+      // compressed blocks (64 sequences of 64 tokens have none at r = 128).
+      const i64 batches = std::min<i64>(o.varlen, std::max<i64>(1, T / (4 * p.r)));
+      if (batches > 1) cases.push_back({p, T, o.hidden, batches});
     }
   }
   std::printf("kvcomp %s bench: %d threads, H=%lld, bf16 io, precise mode, best of %d\n", version(), threads,
               static_cast<long long>(o.hidden), o.repeat);
-  std::printf("%-6s %-10s %7s | %9s %8s %6s | %9s %8s %6s %9s | %8s\n", "prof", "layout", "T", "fwd ms",
-              "GFLOP/s", "x prod", "bwd ms", "GFLOP/s", "x prod", "x bf16pr", "peak MiB");
+  std::printf("%-6s %-10s %7s %5s | %9s %8s %6s | %9s %8s %6s %9s | %8s\n", "prof", "layout", "T", "cmp%",
+              "fwd ms", "GFLOP/s", "x prod", "bwd ms", "GFLOP/s", "x prod", "x bf16pr", "peak MiB");
   int i = 0;
   for (const Case& c : cases) {
     std::fprintf(stderr, "[%d/%zu] %s T=%lld %s ...\r", ++i, cases.size(), c.p.name,
                  static_cast<long long>(c.T), c.batches > 1 ? "TH" : "BSH");
     std::fflush(stderr);
+    reset_peak_rss();
     const Result r = run_case(c, o);
     const double flop_fwd = 4.0 * static_cast<double>(c.T * c.p.coff * c.p.D * c.H);
     const double flop_bwd = 2.0 * flop_fwd;
@@ -219,16 +252,19 @@ int run_bench(const BenchOptions& o) {
     char bf16_ratio[32] = "n/a";
     if (r.bwd_products_bf16_s > 0)
       std::snprintf(bf16_ratio, sizeof bf16_ratio, "%.3f", r.bwd_s / r.bwd_products_bf16_s);
-    std::printf("%-6s %-10s %7lld | %9.1f %8.1f %6.3f | %9.1f %8.1f %6.3f %9s | %8ld\n", c.p.name,
-                layout.c_str(), static_cast<long long>(c.T), r.fwd_s * 1e3, flop_fwd / r.fwd_s / 1e9,
-                r.fwd_s / r.fwd_products_s, r.bwd_s * 1e3, flop_bwd / r.bwd_s / 1e9,
+    std::printf("%-6s %-10s %7lld %5.1f | %9.1f %8.1f %6.3f | %9.1f %8.1f %6.3f %9s | %8ld\n", c.p.name,
+                layout.c_str(), static_cast<long long>(c.T), 100.0 * r.compressed_fraction, r.fwd_s * 1e3,
+                flop_fwd / r.fwd_s / 1e9, r.fwd_s / r.fwd_products_s, r.bwd_s * 1e3, flop_bwd / r.bwd_s / 1e9,
                 r.bwd_s / r.bwd_products_s, bf16_ratio, r.rss_mib);
     std::fflush(stdout);
   }
   std::fprintf(stderr, "%60s\r", "");
   std::printf(
       "x prod: operator time / time of its matrix products alone (oneDNN, fp32 operands, same threads);\n"
-      "x bf16pr: the same against bf16-operand products. Flops: forward 4*T*C*H, backward 8*T*C*H.\n");
+      "x bf16pr: the same against bf16-operand products. Flops: forward 4*T*C*H, backward 8*T*C*H.\n"
+      "cmp%%: tokens inside compressed blocks (the backward's products skip whole chunks without any);\n"
+      "TH/n: n sequences, lengths uniform in [0.5, 1.5] x T/n. peak MiB: the process's peak RSS in the "
+      "case.\n");
   return kExitOk;
 }
 
