@@ -95,6 +95,10 @@ std::vector<SweepCase> sweep() {
     v.push_back(d);
     auto e = make("chunks_bsh_r5_coff2", false, 2, 1030, 8, 4, 2, 5, 1, DType::bf16, 12);
     v.push_back(e);
+    // A block (coff*r = 1200 rows) longer than a chunk: the carried rows of
+    // the forward span more than one previous chunk.
+    auto f = make("chunks_bsh_r600_coff2", false, 1, 2700, 8, 4, 2, 600, 1, DType::bf16, 650);
+    v.push_back(f);
   }
   return v;
 }
