@@ -272,6 +272,11 @@ Status validate_forward(const ForwardArgs& a, const Options& o, BlockPlan* plan)
     return invalid("state_cache_stride0 (= " + std::to_string(a.state_cache_stride0) +
                    ") must be 0 (contiguous) or >= block_size*2*coff*D (= " + std::to_string(bs * 2 * d.C) +
                    ")");
+  if (a.state_cache_stride0 > 0 &&
+      a.state_cache_stride0 > (std::numeric_limits<std::int64_t>::max() / 8 - bs * 2 * d.C) /
+                                  std::max<std::int64_t>(1, a.state_cache.dim(0) - 1))
+    return invalid("state_cache_stride0 (= " + std::to_string(a.state_cache_stride0) +
+                   ") must keep the cache's byte extent within int64");
   if (auto s = check_shape("ape", a.ape, {d.r, d.C}); !s.ok()) return s;
   if (a.state_block_table->dim(0) != d.B)
     return shape("state_block_table (shape " + shape_str(*a.state_block_table) + ") must have " +

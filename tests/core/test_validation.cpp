@@ -4,6 +4,7 @@
 
 #include <climits>
 #include <functional>
+#include <limits>
 
 #include "harness.hpp"
 
@@ -254,6 +255,9 @@ const std::vector<ForwardRule>& forward_rules() {
          a.state_block_table->shape[1] = 1;
        },
        kInvalid, "state_block_table (rank 2)"},
+      {"stride0_overflow", false, 1,
+       [](auto& a, auto&) { a.state_cache_stride0 = std::numeric_limits<std::int64_t>::max() / 4; }, kInvalid,
+       "byte extent within int64"},
       {"stride0_small", false, 1, [](auto& a, auto&) { a.state_cache_stride0 = 5; }, kInvalid,
        "state_cache_stride0 (= 5)"},
       {"aclnn_block_size", false, 1,
