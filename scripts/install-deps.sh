@@ -4,7 +4,7 @@
 set -euo pipefail
 
 packages=(g++ make ninja-build pkg-config libdnnl-dev libgtest-dev libgmock-dev libbenchmark-dev
-          nlohmann-json3-dev libcli11-dev)
+          nlohmann-json3-dev libcli11-dev clang libclang-rt-14-dev libomp-14-dev)
 command -v cmake >/dev/null 2>&1 || packages+=(cmake)
 
 missing=()

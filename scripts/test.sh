@@ -7,3 +7,4 @@ bash scripts/install-torch.sh
 bash scripts/install-python-deps.sh
 bash scripts/build.sh
 ctest --test-dir build --output-on-failure --parallel "$(nproc)" --timeout 900
+bash scripts/test-sanitizers.sh
