@@ -91,12 +91,14 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
   rows_to_f32(args.wkv.data, d.io, C, H, buf.wcat, buf.ld_h, num_threads);
   rows_to_f32(args.wgate.data, d.io, C, H, buf.wcat + C * buf.ld_h, buf.ld_h, num_threads);
   std::fill(buf.dape, buf.dape + d.r * C, 0.0);
-  std::fill(buf.dwcat, buf.dwcat + 2 * C * buf.ld_h, 0.0f);
 
   const BackwardBlockInputs in{args.d_cmp_kv.data, static_cast<const float*>(args.softmax_score.data),
                                static_cast<const float*>(args.kv.data)};
   const bool parity = precision == Precision::npu_parity;
   std::vector<char> mark(static_cast<std::size_t>(buf.R));
+  // The first chunk with gradient writes the weight-gradient accumulators,
+  // later ones add to them (chunks without gradient rows are skipped).
+  bool dw_written = false;
   for (std::int64_t a = 0; a < d.T; a += kChunkRows) {
     const std::int64_t b = std::min(d.T, a + kChunkRows), n = b - a;
     mark_gradient_rows(plan, a, b, mark);
@@ -129,8 +131,9 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
     // [d_wkv ; d_wgate] += [d_new_kv | d_new_score]^T . x
     transpose(buf.dnew, n, 2 * C, buf.ld_c2, buf.dnew_t, buf.ld_r, num_threads);
     if (!gemm_f32(2 * C, H, n, {buf.dnew_t, buf.ld_r, false}, {buf.xf, buf.ld_h, false}, buf.dwcat, buf.ld_h,
-                  a > 0, num_threads))
+                  dw_written, num_threads))
       return {StatusCode::runtime_error, "[kvcomp] oneDNN matmul for d_wkv/d_wgate failed"};
+    dw_written = true;
 
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (std::int64_t i = 0; i < n; ++i) {
