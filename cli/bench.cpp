@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "commands.hpp"
-#include "kvcomp/half.hpp"
+#include "workload.hpp"
 
 namespace kvcomp::cli {
 
@@ -25,11 +25,9 @@ namespace {
 using i64 = std::int64_t;
 using Clock = std::chrono::steady_clock;
 
-struct Profile {
-  const char* name;
-  i64 D, coff, r;
-};
-constexpr Profile kProfiles[] = {{"C4A", 512, 2, 4}, {"C4Li", 128, 2, 4}, {"C128A", 512, 1, 128}};
+using bench::Case;
+using bench::Products;
+using bench::Workload;
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
@@ -61,56 +59,6 @@ double best_of(int repeat, F&& f) {
   return best;
 }
 
-// One oneDNN matmul C[M,N] = A[M,K] . B[K,N] (B given transposed when
-// b_t), f32 or bf16 operands, f32 result, library threading: the baseline.
-struct Product {
-  dnnl::engine eng{dnnl::engine::kind::cpu, 0};
-  dnnl::stream strm{eng};
-  dnnl::matmul prim;
-  dnnl::memory a, b, c;
-
-  Product(i64 M, i64 N, i64 K, bool a_t, bool b_t, dnnl::memory::data_type dt) {
-    using tag = dnnl::memory::format_tag;
-    const dnnl::memory::desc ad({M, K}, dt, a_t ? tag::ba : tag::ab);
-    const dnnl::memory::desc bd({K, N}, dt, b_t ? tag::ba : tag::ab);
-    const dnnl::memory::desc cd({M, N}, dnnl::memory::data_type::f32, tag::ab);
-    prim = dnnl::matmul(dnnl::matmul::primitive_desc(dnnl::matmul::desc(ad, bd, cd), eng));
-    a = dnnl::memory(ad, eng);
-    b = dnnl::memory(bd, eng);
-    c = dnnl::memory(cd, eng);
-    fill(a, dt, ad.get_size());
-    fill(b, dt, bd.get_size());
-  }
-  static void fill(dnnl::memory& m, dnnl::memory::data_type dt, std::size_t bytes) {
-    std::mt19937 rng(3);
-    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-    if (dt == dnnl::memory::data_type::f32) {
-      auto* p = static_cast<float*>(m.get_data_handle());
-      for (std::size_t i = 0; i < bytes / 4; ++i) p[i] = u(rng);
-    } else {
-      auto* p = static_cast<std::uint16_t*>(m.get_data_handle());
-      for (std::size_t i = 0; i < bytes / 2; ++i) p[i] = float_to_bf16(u(rng));
-    }
-  }
-  void run() {
-    prim.execute(strm, {{DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c}});
-    strm.wait();
-  }
-};
-
-struct Case {
-  Profile p;
-  i64 T, H, batches;  // batches > 1: TH varlen with that many sequences
-};
-
-std::vector<std::uint16_t> random_bf16(std::size_t n, float scale, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> g(0.0f, 1.0f);
-  std::vector<std::uint16_t> v(n);
-  for (auto& e : v) e = float_to_bf16(g(rng) * scale);
-  return v;
-}
-
 struct Result {
   double fwd_s = 0, fwd_products_s = 0, bwd_s = 0, bwd_products_s = 0, bwd_products_bf16_s = 0;
   long rss_mib = 0;
@@ -118,102 +66,31 @@ struct Result {
 };
 
 Result run_case(const Case& c, const BenchOptions& o) {
-  const i64 C = c.p.coff * c.p.D, r = c.p.r, D = c.p.D, cr = c.p.coff * c.p.r, H = c.H, T = c.T;
-  const bool th = c.batches > 1;
-  // Sequence lengths: one sequence (BSH), or TH lengths drawn uniformly in
-  // [0.5, 1.5] x T/B (seeded) and scaled to sum to T.
-  std::vector<std::int32_t> cu(static_cast<std::size_t>(c.batches + 1), 0);
-  {
-    std::mt19937_64 rng(7);
-    std::uniform_real_distribution<double> u(0.5, 1.5);
-    std::vector<double> w(static_cast<std::size_t>(c.batches));
-    double sum = 0;
-    for (auto& e : w) sum += (e = u(rng));
-    double acc = 0;
-    for (i64 b = 0; b < c.batches; ++b) {
-      acc += w[static_cast<std::size_t>(b)];
-      cu[static_cast<std::size_t>(b + 1)] = static_cast<std::int32_t>(
-          b + 1 == c.batches ? T : std::llround(static_cast<double>(T) * acc / sum));
-    }
-  }
-  const i64 B = c.batches;
-  const i64 rows = th ? std::min(T, T / r + B) : (T + r - 1) / r;
-  auto x = random_bf16(static_cast<std::size_t>(T * H), 1.0f, 1);
-  auto wkv = random_bf16(static_cast<std::size_t>(C * H), 0.02f, 2);
-  auto wgate = random_bf16(static_cast<std::size_t>(C * H), 0.02f, 3);
-  auto dcmp = random_bf16(static_cast<std::size_t>(rows * D), 1.0f, 4);
-  std::vector<float> ape(static_cast<std::size_t>(r * C), 0.01f);
-  i64 max_len = th ? 0 : T, compressed = th ? 0 : T / r * r;
-  for (i64 b = 0; th && b < B; ++b) {
-    const i64 len = cu[static_cast<std::size_t>(b + 1)] - cu[static_cast<std::size_t>(b)];
-    max_len = std::max(max_len, len);
-    compressed += len / r * r;
-  }
-  const i64 bs = 128, cols = (max_len + bs - 1) / bs;
-  std::vector<float> cache(static_cast<std::size_t>((B * cols + 1) * bs * 2 * C), 0.0f);
-  std::vector<std::int32_t> table(static_cast<std::size_t>(B * cols));
-  for (std::size_t i = 0; i < table.size(); ++i) table[i] = static_cast<std::int32_t>(i + 1);
-  std::vector<std::uint16_t> cmp(static_cast<std::size_t>(rows * D));
-  std::vector<float> S(static_cast<std::size_t>(rows * cr * D)), K(S.size());
-  std::vector<std::uint16_t> dx(x.size()), dwkv(wkv.size()), dwgate(wgate.size());
-  std::vector<float> dape(ape.size());
-
-  Options opt;
-  opt.num_threads = o.threads;
-  ForwardArgs f;
-  f.x = th ? Tensor(x.data(), DType::bf16, {T, H}) : Tensor(x.data(), DType::bf16, {1, T, H});
-  if (th) f.cu_seqlens = Tensor(cu.data(), DType::i32, {B + 1});
-  f.wkv = Tensor(wkv.data(), DType::bf16, {C, H});
-  f.wgate = Tensor(wgate.data(), DType::bf16, {C, H});
-  f.cmp_ratio = r;
-  f.coff = c.p.coff;
-  f.state_cache = Tensor(cache.data(), DType::f32, {B * cols + 1, bs, 2 * C});
-  f.ape = Tensor(ape.data(), DType::f32, {r, C});
-  f.state_block_table = Tensor(table.data(), DType::i32, {B, cols});
-  f.grad_enabled = true;
-  f.cmp_kv = th ? Tensor(cmp.data(), DType::bf16, {rows, D}) : Tensor(cmp.data(), DType::bf16, {1, rows, D});
-  f.softmax_score =
-      th ? Tensor(S.data(), DType::f32, {rows, cr, D}) : Tensor(S.data(), DType::f32, {1, rows, cr, D});
-  f.kv = th ? Tensor(K.data(), DType::f32, {rows, cr, D}) : Tensor(K.data(), DType::f32, {1, rows, cr, D});
-
-  BackwardArgs g;
-  static_cast<SequenceArgs&>(g) = static_cast<const SequenceArgs&>(f);
-  g.d_cmp_kv =
-      th ? Tensor(dcmp.data(), DType::bf16, {rows, D}) : Tensor(dcmp.data(), DType::bf16, {1, rows, D});
-  g.softmax_score = f.softmax_score;
-  g.kv = f.kv;
-  g.d_x = th ? Tensor(dx.data(), DType::bf16, {T, H}) : Tensor(dx.data(), DType::bf16, {1, T, H});
-  g.d_wkv = Tensor(dwkv.data(), DType::bf16, {C, H});
-  g.d_wgate = Tensor(dwgate.data(), DType::bf16, {C, H});
-  g.d_ape = Tensor(dape.data(), DType::f32, {r, C});
-
   Result res;
-  res.compressed_fraction = static_cast<double>(compressed) / static_cast<double>(T);
-  Status st;
-  res.fwd_s = best_of(o.repeat, [&] { st = compressor_forward(f, opt); });
-  if (!st.ok()) throw std::runtime_error(st.message);
-  res.bwd_s = best_of(o.repeat, [&] { st = compressor_backward(g, opt); });
-  if (!st.ok()) throw std::runtime_error(st.message);
-  res.rss_mib = peak_rss_mib();
-
-  // The products alone (oneDNN, library threading, fp32 operands as the
-  // precise path uses; bf16 operands as the fast path of issue #4 would).
-  using dt = dnnl::memory::data_type;
   {
-    Product proj(T, 2 * C, H, false, true, dt::f32);
-    res.fwd_products_s = best_of(o.repeat, [&] { proj.run(); });
+    const Workload w(c);
+    res.compressed_fraction = w.compressed_fraction();
+    Options opt;
+    opt.num_threads = o.threads;
+    Status st;
+    res.fwd_s = best_of(o.repeat, [&] { st = compressor_forward(w.forward(), opt); });
+    if (!st.ok()) throw std::runtime_error(st.message);
+    res.bwd_s = best_of(o.repeat, [&] { st = compressor_backward(w.backward(), opt); });
+    if (!st.ok()) throw std::runtime_error(st.message);
+    res.rss_mib = peak_rss_mib();
   }
-  for (dt type : {dt::f32, dt::bf16}) {
+  // The products alone (oneDNN, library threading, fp32 operands as the
+  // precise path uses; bf16 operands as the fast path would).
+  {
+    Products fwd(c, Products::Which::forward, false);
+    res.fwd_products_s = best_of(o.repeat, [&] { fwd.run(); });
+  }
+  for (bool bf16 : {false, true}) {
     try {
-      Product dxp(T, H, 2 * C, false, false, type);
-      Product dwp(2 * C, H, T, true, false, type);
-      const double s = best_of(o.repeat, [&] {
-        dxp.run();
-        dwp.run();
-      });
-      (type == dt::f32 ? res.bwd_products_s : res.bwd_products_bf16_s) = s;
+      Products bwd(c, Products::Which::backward, bf16);
+      (bf16 ? res.bwd_products_bf16_s : res.bwd_products_s) = best_of(o.repeat, [&] { bwd.run(); });
     } catch (const dnnl::error&) {
-      if (type == dt::f32) throw;  // bf16 products need avx512_core (oneDNN 2.6): reported as n/a
+      if (!bf16) throw;  // bf16 products need avx512_core (oneDNN 2.6): reported as n/a
     }
   }
   return res;
@@ -225,13 +102,11 @@ int run_bench(const BenchOptions& o) {
   if (o.threads > 0) omp_set_num_threads(o.threads);
   const int threads = o.threads > 0 ? o.threads : omp_get_max_threads();
   std::vector<Case> cases;
-  for (const Profile& p : kProfiles) {
+  for (const bench::Profile& p : bench::kProfiles) {
     if (o.preset != "all" && o.preset != p.name) continue;
     for (i64 T : o.tokens) {
       cases.push_back({p, T, o.hidden, 1});
-      // At most T / (4r) sequences, so that they are long enough to hold
-      // compressed blocks (64 sequences of 64 tokens have none at r = 128).
-      const i64 batches = std::min<i64>(o.varlen, std::max<i64>(1, T / (4 * p.r)));
+      const i64 batches = bench::varlen_batches(p, T, o.varlen);
       if (batches > 1) cases.push_back({p, T, o.hidden, batches});
     }
   }
@@ -246,8 +121,7 @@ int run_bench(const BenchOptions& o) {
     std::fflush(stderr);
     reset_peak_rss();
     const Result r = run_case(c, o);
-    const double flop_fwd = 4.0 * static_cast<double>(c.T * c.p.coff * c.p.D * c.H);
-    const double flop_bwd = 2.0 * flop_fwd;
+    const double flop_fwd = c.forward_flop(), flop_bwd = c.backward_flop();
     const std::string layout = c.batches > 1 ? "TH/" + std::to_string(c.batches) : "BSH";
     char bf16_ratio[32] = "n/a";
     if (r.bwd_products_bf16_s > 0)

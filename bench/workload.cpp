@@ -1,0 +1,188 @@
+#include "workload.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <oneapi/dnnl/dnnl.hpp>
+#include <random>
+
+#include "kvcomp/half.hpp"
+
+namespace kvcomp::bench {
+
+using i64 = std::int64_t;
+
+const Profile* find_profile(const char* name) {
+  for (const Profile& p : kProfiles)
+    if (std::strcmp(p.name, name) == 0) return &p;
+  return nullptr;
+}
+
+i64 varlen_batches(const Profile& p, i64 T, i64 wanted) {
+  return std::min<i64>(wanted, std::max<i64>(1, T / (4 * p.r)));
+}
+
+namespace {
+
+std::vector<std::uint16_t> random_bf16(std::size_t n, float scale, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  std::vector<std::uint16_t> v(n);
+  for (auto& e : v) e = float_to_bf16(g(rng) * scale);
+  return v;
+}
+
+}  // namespace
+
+struct Workload::Buffers {
+  std::vector<std::int32_t> cu, table;
+  std::vector<std::uint16_t> x, wkv, wgate, dcmp, cmp, dx, dwkv, dwgate;
+  std::vector<float> ape, cache, S, K, dape;
+};
+
+Workload::Workload(const Case& c) : buf_(std::make_unique<Buffers>()) {
+  Buffers& b = *buf_;
+  const i64 C = c.p.coff * c.p.D, r = c.p.r, D = c.p.D, cr = c.p.coff * c.p.r, H = c.H, T = c.T;
+  const i64 B = c.batches;
+  const bool th = B > 1;
+  // Sequence lengths: one sequence (BSH), or TH lengths drawn uniformly in
+  // [0.5, 1.5] x T/B (seeded) and scaled to sum to T.
+  b.cu.assign(static_cast<std::size_t>(B + 1), 0);
+  {
+    std::mt19937_64 rng(7);
+    std::uniform_real_distribution<double> u(0.5, 1.5);
+    std::vector<double> w(static_cast<std::size_t>(B));
+    double sum = 0;
+    for (auto& e : w) sum += (e = u(rng));
+    double acc = 0;
+    for (i64 i = 0; i < B; ++i) {
+      acc += w[static_cast<std::size_t>(i)];
+      b.cu[static_cast<std::size_t>(i + 1)] =
+          static_cast<std::int32_t>(i + 1 == B ? T : std::llround(static_cast<double>(T) * acc / sum));
+    }
+  }
+  const i64 rows = th ? std::min(T, T / r + B) : (T + r - 1) / r;
+  b.x = random_bf16(static_cast<std::size_t>(T * H), 1.0f, 1);
+  b.wkv = random_bf16(static_cast<std::size_t>(C * H), 0.02f, 2);
+  b.wgate = random_bf16(static_cast<std::size_t>(C * H), 0.02f, 3);
+  b.dcmp = random_bf16(static_cast<std::size_t>(rows * D), 1.0f, 4);
+  b.ape.assign(static_cast<std::size_t>(r * C), 0.01f);
+  i64 max_len = th ? 0 : T, compressed = th ? 0 : T / r * r;
+  for (i64 i = 0; th && i < B; ++i) {
+    const i64 len = b.cu[static_cast<std::size_t>(i + 1)] - b.cu[static_cast<std::size_t>(i)];
+    max_len = std::max(max_len, len);
+    compressed += len / r * r;
+  }
+  compressed_fraction_ = static_cast<double>(compressed) / static_cast<double>(std::max<i64>(T, 1));
+  const i64 bs = 128, cols = (max_len + bs - 1) / bs;
+  b.cache.assign(static_cast<std::size_t>((B * cols + 1) * bs * 2 * C), 0.0f);
+  b.table.resize(static_cast<std::size_t>(B * cols));
+  for (std::size_t i = 0; i < b.table.size(); ++i) b.table[i] = static_cast<std::int32_t>(i + 1);
+  b.cmp.resize(static_cast<std::size_t>(rows * D));
+  b.S.resize(static_cast<std::size_t>(rows * cr * D));
+  b.K.resize(b.S.size());
+  b.dx.resize(b.x.size());
+  b.dwkv.resize(b.wkv.size());
+  b.dwgate.resize(b.wgate.size());
+  b.dape.resize(b.ape.size());
+
+  // BSH tensors carry a leading batch dimension of 1.
+  auto io = [th](void* p, DType dt, std::initializer_list<i64> shape) {
+    Tensor t(p, dt, shape);
+    if (!th) {  // [1, ...shape]
+      for (int i = t.rank; i > 0; --i)
+        t.shape[static_cast<std::size_t>(i)] = t.shape[static_cast<std::size_t>(i - 1)];
+      t.shape[0] = 1;
+      ++t.rank;
+    }
+    return t;
+  };
+  f_.x = io(b.x.data(), DType::bf16, {T, H});
+  if (th) f_.cu_seqlens = Tensor(b.cu.data(), DType::i32, {B + 1});
+  f_.wkv = Tensor(b.wkv.data(), DType::bf16, {C, H});
+  f_.wgate = Tensor(b.wgate.data(), DType::bf16, {C, H});
+  f_.cmp_ratio = r;
+  f_.coff = c.p.coff;
+  f_.state_cache = Tensor(b.cache.data(), DType::f32, {B * cols + 1, bs, 2 * C});
+  f_.ape = Tensor(b.ape.data(), DType::f32, {r, C});
+  f_.state_block_table = Tensor(b.table.data(), DType::i32, {B, cols});
+  f_.grad_enabled = true;
+  f_.cmp_kv = io(b.cmp.data(), DType::bf16, {rows, D});
+  f_.softmax_score = io(b.S.data(), DType::f32, {rows, cr, D});
+  f_.kv = io(b.K.data(), DType::f32, {rows, cr, D});
+
+  static_cast<SequenceArgs&>(g_) = static_cast<const SequenceArgs&>(f_);
+  g_.d_cmp_kv = io(b.dcmp.data(), DType::bf16, {rows, D});
+  g_.softmax_score = f_.softmax_score;
+  g_.kv = f_.kv;
+  g_.d_x = io(b.dx.data(), DType::bf16, {T, H});
+  g_.d_wkv = Tensor(b.dwkv.data(), DType::bf16, {C, H});
+  g_.d_wgate = Tensor(b.dwgate.data(), DType::bf16, {C, H});
+  g_.d_ape = Tensor(b.dape.data(), DType::f32, {r, C});
+}
+
+Workload::~Workload() = default;
+
+namespace {
+
+// One oneDNN matmul C[M,N] = A[M,K] . B[K,N] (A / B given transposed when
+// a_t / b_t), f32 result, library threading.
+struct Matmul {
+  dnnl::engine eng{dnnl::engine::kind::cpu, 0};
+  dnnl::stream strm{eng};
+  dnnl::matmul prim;
+  dnnl::memory a, b, c;
+
+  Matmul(i64 M, i64 N, i64 K, bool a_t, bool b_t, dnnl::memory::data_type dt) {
+    using tag = dnnl::memory::format_tag;
+    const dnnl::memory::desc ad({M, K}, dt, a_t ? tag::ba : tag::ab);
+    const dnnl::memory::desc bd({K, N}, dt, b_t ? tag::ba : tag::ab);
+    const dnnl::memory::desc cd({M, N}, dnnl::memory::data_type::f32, tag::ab);
+    prim = dnnl::matmul(dnnl::matmul::primitive_desc(dnnl::matmul::desc(ad, bd, cd), eng));
+    a = dnnl::memory(ad, eng);
+    b = dnnl::memory(bd, eng);
+    c = dnnl::memory(cd, eng);
+    fill(a, dt, ad.get_size());
+    fill(b, dt, bd.get_size());
+  }
+  static void fill(dnnl::memory& m, dnnl::memory::data_type dt, std::size_t bytes) {
+    std::mt19937 rng(3);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    if (dt == dnnl::memory::data_type::f32) {
+      auto* p = static_cast<float*>(m.get_data_handle());
+      for (std::size_t i = 0; i < bytes / 4; ++i) p[i] = u(rng);
+    } else {
+      auto* p = static_cast<std::uint16_t*>(m.get_data_handle());
+      for (std::size_t i = 0; i < bytes / 2; ++i) p[i] = float_to_bf16(u(rng));
+    }
+  }
+  void run() {
+    prim.execute(strm, {{DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c}});
+    strm.wait();
+  }
+};
+
+}  // namespace
+
+struct Products::Impl {
+  std::vector<std::unique_ptr<Matmul>> products;
+};
+
+Products::Products(const Case& c, Which which, bool bf16_operands) : impl_(std::make_unique<Impl>()) {
+  const auto dt = bf16_operands ? dnnl::memory::data_type::bf16 : dnnl::memory::data_type::f32;
+  const i64 C2 = 2 * c.p.coff * c.p.D;
+  if (which == Which::forward) {
+    impl_->products.push_back(std::make_unique<Matmul>(c.T, C2, c.H, false, true, dt));
+  } else {
+    impl_->products.push_back(std::make_unique<Matmul>(c.T, c.H, C2, false, false, dt));
+    impl_->products.push_back(std::make_unique<Matmul>(C2, c.H, c.T, true, false, dt));
+  }
+}
+
+Products::~Products() = default;
+
+void Products::run() {
+  for (auto& m : impl_->products) m->run();
+}
+
+}  // namespace kvcomp::bench

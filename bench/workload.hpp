@@ -1,0 +1,75 @@
+// Benchmark workloads shared by `kvcomp bench` and the Google Benchmark
+// binary (bench/bench_ops.cpp): the shapes of real models, seeded data, and
+// the operator's own matrix products done by oneDNN alone as the baseline.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "kvcomp/kvcomp.hpp"
+
+namespace kvcomp::bench {
+
+struct Profile {
+  const char* name;
+  std::int64_t D, coff, r;
+};
+// C4A, C4Li and C128A (DeepSeek-V4 compressed attention).
+inline constexpr Profile kProfiles[] = {{"C4A", 512, 2, 4}, {"C4Li", 128, 2, 4}, {"C128A", 512, 1, 128}};
+const Profile* find_profile(const char* name);  // nullptr if unknown
+
+struct Case {
+  Profile p;
+  std::int64_t T, H, batches;  // batches > 1: TH varlen with that many sequences
+
+  // Forward 4*T*C*H, backward 8*T*C*H (C = coff*D), counted on all T tokens.
+  double forward_flop() const { return 4.0 * static_cast<double>(T * p.coff * p.D * H); }
+  double backward_flop() const { return 2.0 * forward_flop(); }
+};
+
+// At most T / (4r) sequences, so that they are long enough to hold
+// compressed blocks (64 sequences of 64 tokens have none at r = 128).
+std::int64_t varlen_batches(const Profile& p, std::int64_t T, std::int64_t wanted);
+
+// The tensors of one case, bf16 io, seeded: forward arguments (with the
+// backward's saved softmax_score / kv as outputs) and backward arguments.
+// TH sequence lengths are uniform in [0.5, 1.5] x T/batches.
+class Workload {
+ public:
+  explicit Workload(const Case& c);
+  Workload(const Workload&) = delete;
+  Workload& operator=(const Workload&) = delete;
+  ~Workload();
+
+  const ForwardArgs& forward() const { return f_; }
+  const BackwardArgs& backward() const { return g_; }
+  double compressed_fraction() const { return compressed_fraction_; }  // tokens inside blocks / T
+
+ private:
+  struct Buffers;
+  std::unique_ptr<Buffers> buf_;
+  ForwardArgs f_;
+  BackwardArgs g_;
+  double compressed_fraction_ = 0;
+};
+
+// The operator's matrix products alone, by oneDNN with its own threading:
+// forward x[T,H] . W[2C,H]^T; backward dnew[T,2C] . W[2C,H] and
+// dnew^T . x[T,H]. Operands f32 or bf16 (bf16 throws dnnl::error where
+// oneDNN has no bf16 matmul, e.g. oneDNN 2.6 without avx512_core).
+class Products {
+ public:
+  enum class Which { forward, backward };
+  Products(const Case& c, Which which, bool bf16_operands);
+  ~Products();
+  Products(const Products&) = delete;
+  Products& operator=(const Products&) = delete;
+  void run();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvcomp::bench
