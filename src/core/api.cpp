@@ -66,11 +66,13 @@ const char* version() { return "0.1.0"; }
 struct ForwardPlanState {
   ForwardArgs args;
   Options options;
+  int threads = 1;  // resolved when planning; the workspace is sized for it
   std::size_t workspace = 0;
 };
 struct BackwardPlanState {
   BackwardArgs args;
   Options options;
+  int threads = 1;  // resolved when planning; the workspace is sized for it
   std::size_t workspace = 0;
 };
 
@@ -111,7 +113,8 @@ Status plan_forward(const ForwardArgs& args, const Options& options, ForwardPlan
   auto st = std::make_shared<ForwardPlanState>();
   st->args = args;
   st->options = options;
-  st->workspace = detail::forward_workspace_size(bp.dims);
+  st->threads = resolve_threads(options);
+  st->workspace = detail::forward_workspace_size(bp.dims, st->threads);
   plan->state_ = std::move(st);
   return Status::success();
 }
@@ -123,7 +126,8 @@ Status plan_backward(const BackwardArgs& args, const Options& options, BackwardP
   auto st = std::make_shared<BackwardPlanState>();
   st->args = args;
   st->options = options;
-  st->workspace = detail::backward_workspace_size(bp.dims);
+  st->threads = resolve_threads(options);
+  st->workspace = detail::backward_workspace_size(bp.dims, st->threads);
   plan->state_ = std::move(st);
   return Status::success();
 }
@@ -138,7 +142,7 @@ Status execute(ForwardPlan& plan, void* workspace, std::size_t workspace_size) {
   detail::BlockPlan bp;
   if (auto s = detail::validate_forward(st.args, st.options, &bp); !s.ok()) return s;
   try {
-    return detail::run_forward(st.args, bp, resolve_threads(st.options), workspace);
+    return detail::run_forward(st.args, bp, st.threads, workspace);
   } catch (const std::bad_alloc&) {
     return {StatusCode::runtime_error, "[kvcomp] out of memory during the forward"};
   }
@@ -153,7 +157,7 @@ Status execute(BackwardPlan& plan, void* workspace, std::size_t workspace_size) 
   detail::BlockPlan bp;
   if (auto s = detail::validate_backward(st.args, st.options, &bp); !s.ok()) return s;
   try {
-    return detail::run_backward(st.args, bp, st.options.precision, resolve_threads(st.options), workspace);
+    return detail::run_backward(st.args, bp, st.options.precision, st.threads, workspace);
   } catch (const std::bad_alloc&) {
     return {StatusCode::runtime_error, "[kvcomp] out of memory during the backward"};
   }

@@ -71,7 +71,9 @@ void zero_bytes(void* p, std::int64_t elements, std::size_t elem_size) {
 
 }  // namespace
 
-std::size_t backward_workspace_size(const Dims& d) { return BackwardBuffers(d, nullptr).size; }
+std::size_t backward_workspace_size(const Dims& d, int /*num_threads*/) {
+  return BackwardBuffers(d, nullptr).size;
+}
 
 Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision precision, int num_threads,
                     void* workspace) {

@@ -14,10 +14,11 @@ struct ForwardBuffers {
   std::int64_t ld_h, ld_c2;  // padded leading dimensions
   float* wcat;               // [2C, ld_h]: wkv rows then wgate rows, fp32
   float* xf;                 // [R, ld_h]: the chunk's x rows in fp32
-  float* proj;  // [coff*r + R, ld_c2]: projections (kv | score+ape) of the chunk and the rows before it
+  float* proj;    // [coff*r + R, ld_c2]: projections (kv | score+ape) of the chunk and the rows before it
+  void* scratch;  // forward_scratch_bytes(d) per thread
   std::size_t size;
 
-  ForwardBuffers(const Dims& d, void* base) {
+  ForwardBuffers(const Dims& d, int num_threads, void* base) {
     WorkspaceLayout ws(base);
     const std::int64_t R = std::min(kChunkRows, std::max<std::int64_t>(d.T, 1));
     ld_h = padded_ld(d.H);
@@ -25,6 +26,7 @@ struct ForwardBuffers {
     wcat = ws.take<float>(2 * d.C * ld_h);
     xf = ws.take<float>(R * ld_h);
     proj = ws.take<float>((d.coff * d.r + R) * ld_c2);
+    scratch = ws.take<unsigned char>(static_cast<std::int64_t>(forward_scratch_bytes(d)) * num_threads);
     size = ws.size();
   }
 };
@@ -53,13 +55,15 @@ void zero_padding_rows(const ForwardArgs& args, const BlockPlan& plan) {
 
 }  // namespace
 
-std::size_t forward_workspace_size(const Dims& d) { return ForwardBuffers(d, nullptr).size; }
+std::size_t forward_workspace_size(const Dims& d, int num_threads) {
+  return ForwardBuffers(d, num_threads, nullptr).size;
+}
 
 Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threads, void* workspace) {
   const Dims& d = plan.dims;
   if (d.T == 0) return Status::success();  // empty input: nothing computed, cache untouched
   const std::int64_t H = d.H, C = d.C;
-  ForwardBuffers buf(d, WorkspaceLayout::align(workspace));
+  ForwardBuffers buf(d, num_threads, WorkspaceLayout::align(workspace));
   const std::size_t io_size = dtype_size(d.io);
   rows_to_f32(args.wkv.data, d.io, C, H, buf.wcat, buf.ld_h, num_threads);
   rows_to_f32(args.wgate.data, d.io, C, H, buf.wcat + C * buf.ld_h, buf.ld_h, num_threads);
@@ -76,6 +80,7 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
   io.cmp_kv = args.cmp_kv.data;
   io.softmax_score = args.grad_enabled ? static_cast<float*>(args.softmax_score.data) : nullptr;
   io.kv = args.grad_enabled ? static_cast<float*>(args.kv.data) : nullptr;
+  io.scratch = buf.scratch;
 
   io.proj_ld = buf.ld_c2;
   const std::int64_t carry = d.coff * d.r;  // rows of the previous chunk a block may still need

@@ -19,8 +19,10 @@ constexpr std::int64_t kChunkRows = 1024;
 // speed (measured: 70 vs 145 GFLOP/s on 2 cores).
 inline std::int64_t padded_ld(std::int64_t n) { return (n + 15) / 16 * 16 + 16; }
 
-std::size_t forward_workspace_size(const Dims& d);
-std::size_t backward_workspace_size(const Dims& d);
+// Workspace bytes for a call run with num_threads threads (execute uses the
+// thread count resolved when planning).
+std::size_t forward_workspace_size(const Dims& d, int num_threads);
+std::size_t backward_workspace_size(const Dims& d, int num_threads);
 
 Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threads, void* workspace);
 Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision precision, int num_threads,

@@ -1,5 +1,7 @@
 #include "kernels/elementwise.hpp"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -7,13 +9,11 @@
 #include <vector>
 
 #include "kernels/convert.hpp"
+#include "kernels/simd/kernels.hpp"
 
 namespace kvcomp::detail {
 
 namespace {
-
-// Columns per work item. A multiple of the widest SIMD register in floats.
-constexpr std::int64_t kSlice = 16;
 
 std::int64_t slices(const Dims& d) { return (d.D + kSlice - 1) / kSlice; }
 
@@ -49,9 +49,13 @@ void backward_blocks(const BlockPlan& plan, const BackwardBlockInputs& in, std::
   const Dims& dm = plan.dims;
   const std::int64_t D = dm.D, C = dm.C, r = dm.r, coff = dm.coff, cr = coff * r;
   const std::size_t first = first_batch_ending_after(plan, a);
+  const SimdKernels& kern = simd_kernels();
+  const DType parity = npu_parity ? dm.io : DType::f32;
+  const auto* dcmp = static_cast<const unsigned char*>(in.d_cmp_kv);
+  const std::size_t io_size = dtype_size(dm.io);
 #pragma omp parallel for num_threads(num_threads) schedule(static)
   for (std::int64_t slice = 0; slice < slices(dm); ++slice) {
-    const std::int64_t d0 = slice * kSlice, d1 = std::min(D, d0 + kSlice), w = d1 - d0;
+    const std::int64_t d0 = slice * kSlice, w = std::min(D, d0 + kSlice) - d0;
     float dc[kSlice];
     double wsum[kSlice];
     for (std::size_t bi = first; bi < plan.batches.size() && plan.batches[bi].base < b; ++bi) {
@@ -64,18 +68,13 @@ void backward_blocks(const BlockPlan& plan, const BackwardBlockInputs& in, std::
       const std::int64_t k_last = std::min(s.k0 + s.nblocks - 1, (lr.hi - 1 + s.sp) / r + (coff - 1));
       for (std::int64_t k = k_first; k <= k_last; ++k) {
         const std::int64_t orow = s.out_row + (k - s.k0);
-        const float* S = in.softmax_score + orow * cr * D;
-        const float* K = in.kv + orow * cr * D;
-        for (std::int64_t i = 0; i < w; ++i) {
-          dc[i] = load_io(in.d_cmp_kv, dm.io, orow * D + d0 + i);
-          wsum[i] = 0.0;
-        }
+        const float* S = in.softmax_score + orow * cr * D + d0;
+        const float* K = in.kv + orow * cr * D + d0;
+        kern.to_f32(dcmp + static_cast<std::size_t>(orow * D + d0) * io_size, dm.io, dc, w);
         // w = sum_j S_j K_j over every row of the block (cache rows included):
         // products of two floats are exact in float64 and the sum of at most
         // 2048 of them loses ~11 bits of 53, far below fp32 resolution.
-        for (std::int64_t j = 0; j < cr; ++j)
-          for (std::int64_t i = 0; i < w; ++i)
-            wsum[i] += static_cast<double>(S[j * D + d0 + i]) * static_cast<double>(K[j * D + d0 + i]);
+        kern.block_dot(S, K, cr, D, w, wsum);
         for (std::int64_t t = 0; t < r; ++t) {
           for (std::int64_t c = 0; c < coff; ++c) {
             const std::int64_t pos = slot_position(dm, k, c, t);
@@ -84,25 +83,8 @@ void backward_blocks(const BlockPlan& plan, const BackwardBlockInputs& in, std::
             if (tok < lr.lo || tok >= lr.hi) continue;
             const std::int64_t j = t * coff + c;
             float* kv_out = dnew + (s.base + tok - a) * ld_dnew + c * D + d0;
-            float* sc_out = kv_out + C;
-            double* ape_acc = dape + t * C + c * D + d0;
-            for (std::int64_t i = 0; i < w; ++i) {
-              const float sv = S[j * D + d0 + i];
-              const float kvv = K[j * D + d0 + i];
-              float dk = dc[i] * sv;
-              // dZ = S * dC * (K - w): K - w is formed in float64 where it is
-              // exact to ~2^-53 relative, so no cancellation reaches fp32.
-              const double dz =
-                  static_cast<double>(sv) * static_cast<double>(dc[i]) * (static_cast<double>(kvv) - wsum[i]);
-              float dzf = static_cast<float>(dz);
-              if (npu_parity) {
-                dk = round_to_io(dk, dm.io);
-                dzf = round_to_io(dzf, dm.io);
-              }
-              kv_out[i] = dk;
-              sc_out[i] = dzf;
-              ape_acc[i] += dz;
-            }
+            kern.slot_grad(S + j * D, K + j * D, dc, wsum, w, parity, kv_out, kv_out + C,
+                           dape + t * C + c * D + d0);
           }
         }
       }
@@ -132,11 +114,16 @@ void forward_blocks(const BlockPlan& plan, const ForwardBlockIo& io, std::int64_
   const Dims& dm = plan.dims;
   const std::int64_t D = dm.D, C = dm.C, r = dm.r, coff = dm.coff, cr = coff * r;
   const std::size_t first = first_batch_ending_after(plan, a);
+  const SimdKernels& kern = simd_kernels();
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<const float*> src_kv(static_cast<std::size_t>(cr)), src_sc(static_cast<std::size_t>(cr));
-    std::vector<double> e(static_cast<std::size_t>(cr * kSlice));
-    double mx[kSlice], sum[kSlice], out[kSlice];
+    // This thread's scratch, carved from the workspace (no allocation here:
+    // an exception cannot leave an OpenMP region).
+    auto* scratch = static_cast<unsigned char*>(io.scratch) +
+                    static_cast<std::size_t>(omp_get_thread_num()) * forward_scratch_bytes(dm);
+    double* e = reinterpret_cast<double*>(scratch);
+    const float** src_kv = reinterpret_cast<const float**>(e + cr * kSlice);
+    const float** src_sc = src_kv + cr;
 #pragma omp for schedule(static)
     for (std::int64_t slice = 0; slice < slices(dm); ++slice) {
       const std::int64_t d0 = slice * kSlice, d1 = std::min(D, d0 + kSlice), w = d1 - d0;
@@ -166,90 +153,41 @@ void forward_blocks(const BlockPlan& plan, const ForwardBlockIo& io, std::int64_
           const std::int64_t orow = s.out_row + (k - s.k0);
           for (std::int64_t t = 0; t < r; ++t)
             for (std::int64_t c = 0; c < coff; ++c) {
-              const std::size_t j = static_cast<std::size_t>(t * coff + c);
+              const std::int64_t j = t * coff + c;
               const std::int64_t pos = slot_position(dm, k, c, t);
               if (pos < 0) {  // no history: a placeholder with softmax weight exactly 0
                 src_kv[j] = src_sc[j] = nullptr;
               } else if (pos < s.sp) {
                 const float* slot = cache_slot(io, batch, pos, false);
-                src_kv[j] = slot + c * D;
-                src_sc[j] = slot + C + c * D;
+                src_kv[j] = slot + c * D + d0;
+                src_sc[j] = slot + C + c * D + d0;
               } else {
                 const float* row = io.proj + (s.base + pos - s.sp - io.proj_first) * io.proj_ld;
-                src_kv[j] = row + c * D;
-                src_sc[j] = row + C + c * D;
+                src_kv[j] = row + c * D + d0;
+                src_sc[j] = row + C + c * D + d0;
               }
             }
           // Softmax over the rows of the block, per column, in float64.
-          for (std::int64_t i = 0; i < w; ++i) {
-            mx[i] = -std::numeric_limits<double>::infinity();
-            sum[i] = 0.0;
-            out[i] = 0.0;
-          }
-          for (std::int64_t j = 0; j < cr; ++j) {
-            if (!src_sc[static_cast<std::size_t>(j)]) continue;
-            for (std::int64_t i = 0; i < w; ++i)
-              mx[i] = std::fmax(mx[i], static_cast<double>(src_sc[static_cast<std::size_t>(j)][d0 + i]));
-          }
-          for (std::int64_t j = 0; j < cr; ++j) {
-            double* ej = e.data() + j * kSlice;
-            if (!src_sc[static_cast<std::size_t>(j)]) {
-              for (std::int64_t i = 0; i < w; ++i) ej[i] = 0.0;
-              continue;
-            }
-            for (std::int64_t i = 0; i < w; ++i) {
-              ej[i] = std::exp(static_cast<double>(src_sc[static_cast<std::size_t>(j)][d0 + i]) - mx[i]);
-              sum[i] += ej[i];
-            }
-          }
-          float* s_out = io.softmax_score ? io.softmax_score + orow * cr * D : nullptr;
-          float* k_out = io.kv ? io.kv + orow * cr * D : nullptr;
-          for (std::int64_t j = 0; j < cr; ++j) {
-            const float* kvj = src_kv[static_cast<std::size_t>(j)];
-            double* ej = e.data() + j * kSlice;
-            for (std::int64_t i = 0; i < w; ++i) {
-              const double sj = ej[i] / sum[i];
-              const float kval = kvj ? kvj[d0 + i] : 0.0f;
-              if (kvj) out[i] += sj * static_cast<double>(kval);
-              if (s_out) s_out[j * D + d0 + i] = kvj ? static_cast<float>(sj) : 0.0f;
-              if (k_out) k_out[j * D + d0 + i] = kval;
-            }
-          }
-          for (std::int64_t i = 0; i < w; ++i) {
-            const float v = static_cast<float>(out[i]);
-            const std::int64_t idx = orow * D + d0 + i;
-            switch (dm.io) {
-              case DType::bf16:
-                static_cast<std::uint16_t*>(io.cmp_kv)[idx] = float_to_bf16(v);
-                break;
-              case DType::f16:
-                static_cast<std::uint16_t*>(io.cmp_kv)[idx] = float_to_fp16(v);
-                break;
-              default:
-                static_cast<float*>(io.cmp_kv)[idx] = v;
-            }
-          }
+          float* s_out = io.softmax_score ? io.softmax_score + orow * cr * D + d0 : nullptr;
+          float* k_out = io.kv ? io.kv + orow * cr * D + d0 : nullptr;
+          kern.block_softmax(src_sc, src_kv, cr, w, e, s_out, k_out, D,
+                             static_cast<unsigned char*>(io.cmp_kv) +
+                                 static_cast<std::size_t>(orow * D + d0) * dtype_size(dm.io),
+                             dm.io);
         }
       }
     }
   }
 }
 
-// One loop per dtype (not a switch per element) so the bf16 case vectorises:
-// it is a 16-bit shift.
-void to_f32(const void* src, DType dt, float* dst, std::int64_t n) {
-  const auto* h = static_cast<const std::uint16_t*>(src);
-  switch (dt) {
-    case DType::bf16:
-      for (std::int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(h[i]);
-      break;
-    case DType::f16:
-      for (std::int64_t i = 0; i < n; ++i) dst[i] = fp16_to_float(h[i]);
-      break;
-    default:
-      std::memcpy(dst, src, static_cast<std::size_t>(n) * sizeof(float));
-  }
+std::size_t forward_scratch_bytes(const Dims& d) {
+  const std::int64_t cr = d.coff * d.r;
+  const std::size_t bytes = static_cast<std::size_t>(cr * kSlice) * sizeof(double) +
+                            2 * static_cast<std::size_t>(cr) * sizeof(const float*);
+  return (bytes + 63) / 64 * 64;
 }
+
+void to_f32(const void* src, DType dt, float* dst, std::int64_t n) { simd_kernels().to_f32(src, dt, dst, n); }
 
 void rows_to_f32(const void* src, DType dt, std::int64_t rows, std::int64_t cols, float* dst, std::int64_t ld,
                  int num_threads) {
@@ -261,16 +199,7 @@ void rows_to_f32(const void* src, DType dt, std::int64_t rows, std::int64_t cols
 }
 
 void from_f32(const float* src, void* dst, DType dt, std::int64_t n) {
-  switch (dt) {
-    case DType::bf16:
-      for (std::int64_t i = 0; i < n; ++i) static_cast<std::uint16_t*>(dst)[i] = float_to_bf16(src[i]);
-      break;
-    case DType::f16:
-      for (std::int64_t i = 0; i < n; ++i) static_cast<std::uint16_t*>(dst)[i] = float_to_fp16(src[i]);
-      break;
-    default:
-      for (std::int64_t i = 0; i < n; ++i) static_cast<float*>(dst)[i] = src[i];
-  }
+  simd_kernels().from_f32(src, dst, dt, n);
 }
 
 }  // namespace kvcomp::detail

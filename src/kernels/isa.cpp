@@ -1,0 +1,52 @@
+#include "kernels/isa.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+namespace kvcomp::detail {
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::avx512:
+      return "avx512";
+    case Isa::avx2:
+      return "avx2";
+    default:
+      return "scalar";
+  }
+}
+
+Isa detected_isa() {
+  // __builtin_cpu_supports also checks that the OS saves the wide registers
+  // (XGETBV), so a feature it reports can be used.
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("fma"))
+    return Isa::avx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::avx2;
+  return Isa::scalar;
+}
+
+namespace {
+
+Isa choose() {
+  const Isa best = detected_isa();
+  const char* cap = std::getenv("KVCOMP_ISA");
+  if (!cap || !*cap) return best;
+  for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512})
+    if (std::strcmp(cap, isa_name(isa)) == 0) return std::min(best, isa);
+  std::fprintf(stderr, "[kvcomp] KVCOMP_ISA (= %s) must be scalar, avx2 or avx512; ignored\n", cap);
+  return best;
+}
+
+}  // namespace
+
+Isa active_isa() {
+  static const Isa isa = choose();
+  return isa;
+}
+
+}  // namespace kvcomp::detail

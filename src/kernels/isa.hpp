@@ -1,0 +1,18 @@
+// Run-time choice of the instruction set for kvcomp's own kernels (oneDNN
+// dispatches its GEMMs by itself). Chosen once per process: the best the CPU
+// supports, capped by the environment variable KVCOMP_ISA (scalar, avx2 or
+// avx512), so that tests can run every path on one machine.
+#pragma once
+
+namespace kvcomp::detail {
+
+enum class Isa : int { scalar = 0, avx2 = 1, avx512 = 2 };
+
+const char* isa_name(Isa isa);
+// The best ISA this CPU (and OS) supports.
+Isa detected_isa();
+// min(detected_isa(), KVCOMP_ISA); an unknown KVCOMP_ISA value is ignored
+// with a warning on stderr.
+Isa active_isa();
+
+}  // namespace kvcomp::detail

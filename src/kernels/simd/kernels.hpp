@@ -1,0 +1,50 @@
+// The element-wise kernels that run once per 16-column slice of a block, and
+// the io conversions, compiled three times (simd/kernels_{scalar,avx2,avx512}.cpp,
+// each from simd/body.inl with its own ISA flags) and picked at run time.
+//
+// Every variant performs the same IEEE operations in the same order per
+// element (no FMA contraction, no libm calls): the three give bitwise equal
+// results, so the choice of ISA never changes an output (tests/kernels checks
+// this for every path the CPU can run).
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/isa.hpp"
+#include "kvcomp/kvcomp.hpp"
+
+namespace kvcomp::detail {
+
+// Columns per work item of the block phases: a multiple of the widest SIMD
+// register in floats, and one 64-byte cache line of fp32.
+inline constexpr std::int64_t kSlice = 16;
+
+struct SimdKernels {
+  Isa isa;
+  // wsum[i] = sum_j S[j*ld + i] * K[j*ld + i] over `rows` rows, in float64
+  // (products of two floats are exact in float64), i < w <= kSlice.
+  void (*block_dot)(const float* S, const float* K, std::int64_t rows, std::int64_t ld, std::int64_t w,
+                    double* wsum);
+  // One slot of a block (spec 6.1): dk = dc * S (fp32), dz = S * dc * (K - wsum)
+  // (float64), written as fp32, rounded to `parity` first unless it is f32
+  // (npu_parity); ape[i] += dz.
+  void (*slot_grad)(const float* S, const float* K, const float* dc, const double* wsum, std::int64_t w,
+                    DType parity, float* dk_out, float* dz_out, double* ape);
+  // Softmax over the cr rows of one block for w <= kSlice columns, in
+  // float64. sc[j] / kv[j]: the rows (already offset to the slice), nullptr
+  // for a placeholder row (weight exactly 0). Writes softmax_score / kv rows
+  // (s_out / k_out with row stride ld_out, either may be null) and the
+  // pooled row to cmp (io dtype). e: scratch of cr * kSlice doubles.
+  void (*block_softmax)(const float* const* sc, const float* const* kv, std::int64_t cr, std::int64_t w,
+                        double* e, float* s_out, float* k_out, std::int64_t ld_out, void* cmp, DType io);
+  // io dtype <-> fp32, n elements (round to nearest even when narrowing).
+  void (*to_f32)(const void* src, DType dt, float* dst, std::int64_t n);
+  void (*from_f32)(const float* src, void* dst, DType dt, std::int64_t n);
+};
+
+// The table for one ISA (the scalar one when the build lacks that variant).
+const SimdKernels& simd_kernels(Isa isa);
+// The table of active_isa(), chosen once per process.
+const SimdKernels& simd_kernels();
+
+}  // namespace kvcomp::detail
