@@ -86,10 +86,16 @@ TEST(AclTensor, InconsistentDescriptionsAreRefused) {
   // The view reaches element 15 of a 15-element storage.
   EXPECT_EQ(aclCreateTensor(shape, 2, ACL_FLOAT, strides, 0, ACL_FORMAT_ND, small, 1, storage.data()),
             nullptr);
-  EXPECT_NE(recent_message().find("must lie inside its storage"), std::string::npos);
+  EXPECT_NE(recent_message().find("[kvcomp] tensor (shape [4,4], strides [4,1], offset 0, storage [15], "
+                                  "ACL_FLOAT) must lie inside its storage"),
+            std::string::npos)
+      << recent_message();
   EXPECT_EQ(aclCreateTensor(negative, 2, ACL_FLOAT, strides, 0, ACL_FORMAT_ND, shape, 2, storage.data()),
             nullptr);
-  EXPECT_NE(recent_message().find("non-negative view dims"), std::string::npos);
+  EXPECT_NE(recent_message().find("tensor (shape [-1,4], strides [4,1], offset 0, storage [4,4], ACL_FLOAT) "
+                                  "must have non-negative view dims"),
+            std::string::npos)
+      << recent_message();
   EXPECT_EQ(aclCreateTensor(shape, 2, ACL_FLOAT, nullptr, 0, ACL_FORMAT_ND, shape, 2, storage.data()),
             nullptr);
   EXPECT_NE(recent_message().find("stride must not be null"), std::string::npos);
@@ -112,7 +118,8 @@ TEST(AclTensor, FractalFormatRejectedByOperators) {
   std::uint64_t size;
   aclOpExecutor* ex;
   EXPECT_EQ(c.plan(&size, &ex), ACLNN_ERR_PARAM_INVALID);
-  EXPECT_NE(recent_message().find("wkv (aclFormat 29) must be ACL_FORMAT_ND"), std::string::npos);
+  EXPECT_NE(recent_message().find("[kvcomp] wkv (aclFormat 29) must be ACL_FORMAT_ND"), std::string::npos)
+      << recent_message();
   EXPECT_EQ(aclDestroyTensor(w), ACLNN_SUCCESS);
 }
 

@@ -67,7 +67,6 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
   const std::size_t io_size = dtype_size(d.io);
   rows_to_f32(args.wkv.data, d.io, C, H, buf.wcat, buf.ld_h, num_threads);
   rows_to_f32(args.wgate.data, d.io, C, H, buf.wcat + C * buf.ld_h, buf.ld_h, num_threads);
-  zero_padding_rows(args, plan);
 
   ForwardBlockIo io;
   io.cache = static_cast<float*>(args.state_cache.data);
@@ -104,6 +103,7 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
     io.proj_first = first;
     forward_blocks(plan, io, a, b, num_threads);
   }
+  zero_padding_rows(args, plan);  // last: rows disjoint from the blocks' rows
   return Status::success();
 }
 

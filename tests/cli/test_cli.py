@@ -471,6 +471,7 @@ def test_aclnn_profile_rejects_d16(tmp_path, cmd):
     assert "161002" in p.stderr, p.stderr
     # the parameter (D, the head dim) and the value seen
     assert re.search(r"\bD\b[^\n]*\(= 16\)", p.stderr), p.stderr
+    assert "D = wkv rows / coff (= 16) must be 128 or 512" in p.stderr, p.stderr
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
     # the same case is accepted by the extended profile, and its result is right
     run_ok(cmd, "--in", tmp_path / "case", "--out", tmp_path / "ext", "--threads", THREADS)
@@ -539,13 +540,16 @@ def test_missing_file(small_case, tmp_path, cmd, missing):
     p = run_kvcomp(cmd, "--in", d, "--out", out)
     assert p.returncode == 2, (p.returncode, p.stderr)
     assert "error 361001" in p.stderr, p.stderr
-    assert f"{missing}.npy" in p.stderr, p.stderr
+    assert f"{missing}.npy: cannot open: No such file or directory" in p.stderr, p.stderr
     assert _no_output(out)
 
 
-@pytest.mark.parametrize("garbage", [b"\x93NUMPY\x01\x00garbage", b"not an npy file at all",
-                                     "truncate"])
-def test_corrupt_npy(small_case, tmp_path, garbage):
+@pytest.mark.parametrize("garbage,message", [
+    (b"\x93NUMPY\x01\x00garbage", "x.npy: truncated header"),
+    (b"not an npy file at all", "x.npy: not a .npy file (bad magic string)"),
+    ("truncate", "x.npy: truncated data: shape (13, 32) needs 832 bytes, the file holds 825"),
+])
+def test_corrupt_npy(small_case, tmp_path, garbage, message):
     _, d = small_case
     f = d / "x.npy"
     if garbage == "truncate":
@@ -557,7 +561,7 @@ def test_corrupt_npy(small_case, tmp_path, garbage):
     p = run_kvcomp("grad", "--in", d, "--out", out)
     assert p.returncode == 2, (p.returncode, p.stderr)
     assert "error 161002" in p.stderr, p.stderr
-    assert "x.npy" in p.stderr, p.stderr
+    assert message in p.stderr, p.stderr
     assert _no_output(out)
 
 
@@ -573,7 +577,7 @@ def test_invalid_seqused(small_case, tmp_path, cmd, bad):
     p = run_kvcomp(cmd, "--in", d, "--out", out)
     assert p.returncode == 1, (p.returncode, p.stderr)
     assert "error 161002" in p.stderr, p.stderr
-    assert "seqused" in p.stderr and f"(= {bad})" in p.stderr, p.stderr
+    assert f"[kvcomp] seqused[1] (= {bad}) must be in [0, 4], the length of batch 1" in p.stderr, p.stderr
     assert _no_output(out)
     assert (d / "state_cache.npy").read_bytes() == state_before
 
@@ -588,8 +592,150 @@ def test_output_dir_not_replaced_on_error(small_case, tmp_path):
     su[0] = 10
     np.save(d / "seqused.npy", su)
     p = run_kvcomp("grad", "--in", d, "--out", out)
-    assert p.returncode == 1 and "161002" in p.stderr
+    assert p.returncode == 1, (p.returncode, p.stderr)
+    assert "error 161002: [kvcomp] seqused[0] (= 10) must be in [0, 9]" in p.stderr, p.stderr
     assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+
+
+# --------------------------------------------------------------------------
+# nothing lost: a failing run keeps the files already in the output directory, and no run leaves a
+# temporary file (the CLI writes `.<name>.tmp-<pid>-<n>` files and renames them into place)
+# --------------------------------------------------------------------------
+
+OUTPUTS = {"grad": ["d_x.npy", "d_wkv.npy", "d_wgate.npy", "d_ape.npy"],
+           "fwd": ["cmp_kv.npy", "softmax_score.npy", "kv.npy", "state_cache.npy"]}
+
+
+def _snapshot(d: Path) -> dict:
+    """Every entry of a directory: file name -> bytes (None for a directory)."""
+    return {f.name: (None if f.is_dir() else f.read_bytes()) for f in d.iterdir()}
+
+
+def _old_outputs(out: Path, cmd: str) -> dict:
+    """Fills out/ with stale outputs of known bytes (one per output file) plus an unrelated file."""
+    out.mkdir(parents=True, exist_ok=True)
+    for i, name in enumerate(OUTPUTS[cmd]):
+        (out / name).write_bytes(f"old {name} #{i}\n".encode() * (i + 1))
+    (out / "notes.txt").write_bytes(b"not an output\n")
+    return _snapshot(out)
+
+
+def _temporaries(*dirs: Path) -> list:
+    return [str(f) for d in dirs for f in d.iterdir() if ".tmp-" in f.name]
+
+
+@pytest.mark.parametrize("cmd", ["grad", "fwd"])
+@pytest.mark.parametrize("fault", ["coff_3", "corrupt_x", "missing_input"])
+def test_failed_run_keeps_existing_outputs(small_case, tmp_path, cmd, fault):
+    """A run that fails before writing (bad attribute, corrupt or missing input) changes nothing."""
+    case, d = small_case
+    if fault == "coff_3":
+        (d / "meta.json").write_text(json.dumps({**case.meta, "coff": 3}))
+        code, exit_code, message = 161002, 1, "[kvcomp] coff (= 3) must be 1 or 2"
+    elif fault == "corrupt_x":
+        (d / "x.npy").write_bytes(b"not an npy file at all")
+        code, exit_code, message = 161002, 2, "x.npy: not a .npy file (bad magic string)"
+    else:
+        missing = "kv" if cmd == "grad" else "state_cache"
+        (d / f"{missing}.npy").unlink()
+        code, exit_code, message = 361001, 2, f"{missing}.npy: cannot open"
+    out = tmp_path / "out"
+    before, case_before = _old_outputs(out, cmd), _snapshot(d)
+    p = run_kvcomp(cmd, "--in", d, "--out", out)
+    assert p.returncode == exit_code, (p.returncode, p.stderr)
+    assert f"error {code}: " in p.stderr and message in p.stderr, p.stderr
+    assert _snapshot(out) == before
+    assert _snapshot(d) == case_before
+    assert _temporaries(out, d) == []
+
+
+@pytest.mark.parametrize("cmd", ["grad", "fwd"])
+def test_output_name_taken_by_a_directory(small_case, tmp_path, cmd):
+    """The last output's name is a directory: refused before the first byte, earlier outputs kept."""
+    _, d = small_case
+    out = tmp_path / "out"
+    _old_outputs(out, cmd)
+    last = OUTPUTS[cmd][-1]
+    (out / last).unlink()
+    (out / last).mkdir()
+    (out / last / "inside").write_bytes(b"kept")
+    before = _snapshot(out)
+    p = run_kvcomp(cmd, "--in", d, "--out", out)
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    assert "error 361001: " in p.stderr, p.stderr
+    assert f"{last}: exists and is not a regular file; refusing to replace it" in p.stderr, p.stderr
+    assert _snapshot(out) == before
+    assert (out / last / "inside").read_bytes() == b"kept"
+    assert _temporaries(out, d) == []
+
+
+def _limit_file_size(limit: int):
+    def apply():
+        import resource
+        import signal
+        # Writes past the limit then fail with EFBIG instead of killing the process.
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    return apply
+
+
+@pytest.mark.parametrize("cmd", ["grad", "fwd"])
+def test_write_failure_keeps_existing_outputs(small_case, tmp_path, cmd):
+    """A real I/O error while writing (EFBIG from a file-size limit, which binds root too), after the
+    first output was written in full: the old outputs stay, and no temporary file is left."""
+    import resource
+    _, d = small_case
+    run_ok(cmd, "--in", d, "--out", tmp_path / "sizes")
+    sizes = [(tmp_path / "sizes" / n).stat().st_size for n in OUTPUTS[cmd]]
+    # Below the largest later file, at or above the first: the first temporary is complete when a
+    # later one fails.
+    limit = max(sizes[1:]) - 1
+    assert sizes[0] <= limit, sizes
+    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+    if hard != resource.RLIM_INFINITY and hard < limit:
+        pytest.skip(f"hard RLIMIT_FSIZE {hard} below {limit}")
+    out = tmp_path / "out"
+    before, case_before = _old_outputs(out, cmd), _snapshot(d)
+    p = subprocess.run([KVCOMP, cmd, "--in", str(d), "--out", str(out)], capture_output=True, text=True,
+                       timeout=300, preexec_fn=_limit_file_size(limit), restore_signals=False)
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    assert "error 361001: " in p.stderr and "write failed: File too large" in p.stderr, p.stderr
+    assert _snapshot(out) == before
+    assert _snapshot(d) == case_before
+    assert _temporaries(out, d) == []
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
+@pytest.mark.parametrize("cmd", ["grad", "fwd"])
+def test_read_only_output_dir_keeps_existing_outputs(small_case, tmp_path, cmd):
+    _, d = small_case
+    out = tmp_path / "out"
+    before = _old_outputs(out, cmd)
+    out.chmod(0o555)
+    try:
+        p = run_kvcomp(cmd, "--in", d, "--out", out)
+    finally:
+        out.chmod(0o755)
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    assert "error 361001: " in p.stderr and "cannot create: Permission denied" in p.stderr, p.stderr
+    assert _snapshot(out) == before
+    assert _temporaries(out, d) == []
+
+
+@pytest.mark.parametrize("cmd", ["grad", "fwd"])
+def test_successful_run_replaces_outputs_and_leaves_no_temporaries(small_case, tmp_path, cmd):
+    _, d = small_case
+    out = tmp_path / "out"
+    before, case_before = _old_outputs(out, cmd), _snapshot(d)
+    run_ok(cmd, "--in", d, "--out", out)
+    after = _snapshot(out)
+    assert sorted(after) == sorted(before), sorted(after)  # the same names: no temporary left
+    assert after["notes.txt"] == before["notes.txt"]
+    for name in OUTPUTS[cmd]:
+        assert after[name] != before[name], name
+        assert np.load(out / name).dtype == np.float32, name  # a complete .npy file
+    assert _snapshot(d) == case_before
+    assert _temporaries(out, d) == []
 
 
 # --------------------------------------------------------------------------
