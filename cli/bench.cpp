@@ -110,8 +110,8 @@ int run_bench(const BenchOptions& o) {
       if (batches > 1) cases.push_back({p, T, o.hidden, batches});
     }
   }
-  std::printf("kvcomp %s bench: %d threads, H=%lld, bf16 io, precise mode, best of %d\n", version(), threads,
-              static_cast<long long>(o.hidden), o.repeat);
+  std::printf("kvcomp %s bench: %d threads, H=%lld, bf16 io, precise mode, %s kernels, best of %d\n",
+              version(), threads, static_cast<long long>(o.hidden), kernel_isa(), o.repeat);
   std::printf("%-6s %-10s %7s %5s | %9s %8s %6s | %9s %8s %6s %9s | %8s\n", "prof", "layout", "T", "cmp%",
               "fwd ms", "GFLOP/s", "x prod", "bwd ms", "GFLOP/s", "x prod", "x bf16pr", "peak MiB");
   int i = 0;

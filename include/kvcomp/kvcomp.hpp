@@ -164,6 +164,11 @@ KVCOMP_API Status compressor_backward(const BackwardArgs& args, const Options& o
 // Frees the calling thread's kept one-call workspace now.
 KVCOMP_API void release_cached_workspace();
 
+// The instruction set of kvcomp's element-wise kernels in this process:
+// "avx512", "avx2" or "scalar" (the best the CPU has, capped by the
+// environment variable KVCOMP_ISA; chosen once). Outputs do not depend on it.
+KVCOMP_API const char* kernel_isa();
+
 // Output row count of cmp_kv / d_cmp_kv for a layout: BSH ceil(S/r) per
 // batch, TH min(T, T/r + B). Useful to size outputs.
 KVCOMP_API std::int64_t compressed_rows_bsh(std::int64_t S, std::int64_t cmp_ratio);

@@ -7,6 +7,7 @@
 #include <new>
 
 #include "core/ops.hpp"
+#include "kernels/isa.hpp"
 #include "kvcomp/kvcomp.hpp"
 #include "validate/validate.hpp"
 
@@ -241,6 +242,8 @@ Status execute(BackwardPlan& plan, void* workspace, std::size_t workspace_size) 
 }
 
 void release_cached_workspace() { t_workspace.release(); }
+
+const char* kernel_isa() { return detail::isa_name(detail::active_isa()); }
 
 Status compressor_forward(const ForwardArgs& args, const Options& options) {
   return run_one_call<ForwardPlan>(args, options);

@@ -150,6 +150,48 @@ TEST(TwoPhase, WorkspaceTooSmallIsRejectedAndWritesNothing) {
   EXPECT_EQ(run.d_x.half, first);
 }
 
+// The workspace is scratch: execute must not read anything it did not write
+// there first. One-call runs (the workspace is kept from the previous call on
+// this thread) and two-phase runs on workspaces filled with NaN patterns,
+// zeros and 0x5A bytes, at an odd address, all give the same bits.
+TEST(TwoPhase, WorkspaceContentsAndAlignmentDoNotMatter) {
+  auto rc = make_random_case(chunked_case(), 12);
+  round_io_inputs(rc.in, DType::bf16);
+  const BackwardData bd = make_backward_data(rc.problem, rc.in, DType::bf16, 13);
+  BackwardRun base(rc.problem, rc.in, bd, DType::bf16);
+  ForwardRun fbase(rc.problem, rc.in, DType::bf16);
+  release_cached_workspace();
+  ASSERT_TRUE(base.run().ok());
+  ASSERT_TRUE(fbase.run().ok());
+  for (int fill_byte : {0x00, 0xff, 0x5a, 0x7f}) {
+    const auto fill = static_cast<unsigned char>(fill_byte);
+    BackwardRun b(rc.problem, rc.in, bd, DType::bf16);
+    BackwardPlan bp;
+    ASSERT_TRUE(plan_backward(b.args, {}, &bp).ok());
+    std::vector<unsigned char> ws(bp.workspace_size() + 1, fill);
+    ASSERT_TRUE(execute(bp, ws.data() + 1, bp.workspace_size()).ok());
+    EXPECT_TRUE(bitwise_equal(base.d_x.half, b.d_x.half)) << int{fill};
+    EXPECT_TRUE(bitwise_equal(base.d_wkv.half, b.d_wkv.half)) << int{fill};
+    EXPECT_TRUE(bitwise_equal(base.d_wgate.half, b.d_wgate.half)) << int{fill};
+    EXPECT_TRUE(bitwise_equal(base.d_ape.f32, b.d_ape.f32)) << int{fill};
+
+    ForwardRun f(rc.problem, rc.in, DType::bf16);
+    ForwardPlan fp;
+    ASSERT_TRUE(plan_forward(f.args, {}, &fp).ok());
+    std::vector<unsigned char> fws(fp.workspace_size() + 1, fill);
+    ASSERT_TRUE(execute(fp, fws.data() + 1, fp.workspace_size()).ok());
+    EXPECT_TRUE(bitwise_equal(fbase.cmp_kv.half, f.cmp_kv.half)) << int{fill};
+    EXPECT_TRUE(bitwise_equal(fbase.softmax_score.f32, f.softmax_score.f32)) << int{fill};
+    EXPECT_TRUE(bitwise_equal(fbase.kv.f32, f.kv.f32)) << int{fill};
+    EXPECT_TRUE(bitwise_equal(fbase.cache.f32, f.cache.f32)) << int{fill};
+  }
+  // The kept one-call workspace now holds the last run's data.
+  BackwardRun again(rc.problem, rc.in, bd, DType::bf16);
+  ASSERT_TRUE(again.run().ok());
+  EXPECT_TRUE(bitwise_equal(base.d_x.half, again.d_x.half));
+  EXPECT_TRUE(bitwise_equal(base.d_wkv.half, again.d_wkv.half));
+}
+
 TEST(TwoPhase, WorkspaceDoesNotGrowWithTokens) {
   RandomOptions o;
   o.th = true;
