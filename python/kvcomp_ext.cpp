@@ -263,4 +263,8 @@ NB_MODULE(_C, m) {
   m.def("compressed_rows_th", &kvcomp::compressed_rows_th, nb::arg("T"), nb::arg("B"), nb::arg("cmp_ratio"),
         "Rows of cmp_kv in TH layout: min(T, T // cmp_ratio + B).");
   m.def("version", &kvcomp::version, "Version of the C++ core.");
+  m.def("kernel_isa", &kvcomp::kernel_isa,
+        "Instruction set of the element-wise kernels: 'avx512', 'avx2' or 'scalar' (capped by KVCOMP_ISA).");
+  m.def("release_cached_workspace", &kvcomp::release_cached_workspace,
+        "Frees the calling thread's workspace kept between calls.");
 }

@@ -25,6 +25,8 @@ from ._functional import (
 )
 
 __version__ = _C.version()
+kernel_isa = _C.kernel_isa
+release_cached_workspace = _C.release_cached_workspace
 
 __all__ = [
     "KvcompError",
@@ -32,5 +34,7 @@ __all__ = [
     "compressor_forward",
     "compressor_grad",
     "get_default_options",
+    "kernel_isa",
+    "release_cached_workspace",
     "set_default_options",
 ]
