@@ -3,10 +3,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <cmath>
-#include <cstring>
-#include <limits>
-#include <vector>
 
 #include "kernels/convert.hpp"
 #include "kernels/simd/kernels.hpp"
