@@ -1,6 +1,7 @@
 // Properties that hold for every input: determinism across thread counts, the
 // no-block case, the forward-to-backward chain, the two-phase contract.
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <cstring>
 
@@ -50,6 +51,27 @@ TEST(Determinism, BackwardBitwiseAcrossThreadCounts) {
   ASSERT_TRUE(r2.run().ok());
   EXPECT_TRUE(bitwise_equal(r1.d_wkv.half, r2.d_wkv.half));
   EXPECT_TRUE(bitwise_equal(r1.d_x.half, base.d_x.half));
+}
+
+// The products set the OpenMP limit of their worker tasks to 1 (so oneDNN
+// runs each tile on its own thread); the caller's limit must not change.
+TEST(Determinism, CallerOpenMpLimitIsUnchanged) {
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(3);
+  auto rc = make_random_case(chunked_case(), 14);
+  round_io_inputs(rc.in, DType::bf16);
+  const BackwardData bd = make_backward_data(rc.problem, rc.in, DType::bf16, 15);
+  for (int threads : {0, 1, 2}) {
+    Options o;
+    o.num_threads = threads;
+    ForwardRun f(rc.problem, rc.in, DType::bf16);
+    ASSERT_TRUE(f.run(o).ok());
+    EXPECT_EQ(omp_get_max_threads(), 3) << "after a forward with num_threads " << threads;
+    BackwardRun b(rc.problem, rc.in, bd, DType::bf16);
+    ASSERT_TRUE(b.run(o).ok());
+    EXPECT_EQ(omp_get_max_threads(), 3) << "after a backward with num_threads " << threads;
+  }
+  omp_set_num_threads(saved);
 }
 
 TEST(Determinism, ForwardBitwiseAcrossThreadCounts) {
