@@ -15,7 +15,7 @@ struct ForwardBuffers {
   float* wcat;               // [2C, ld_h]: wkv rows then wgate rows, fp32
   float* xf;                 // [R, ld_h]: the chunk's x rows in fp32
   float* proj;    // [coff*r + R, ld_c2]: projections (kv | score+ape) of the chunk and the rows before it
-  void* scratch;  // forward_scratch_bytes(d) per thread
+  void* scratch;  // forward_scratch_bytes(d) for each thread of forward_blocks
   std::size_t size;
 
   ForwardBuffers(const Dims& d, int num_threads, void* base) {
@@ -26,7 +26,8 @@ struct ForwardBuffers {
     wcat = ws.take<float>(2 * d.C * ld_h);
     xf = ws.take<float>(R * ld_h);
     proj = ws.take<float>((d.coff * d.r + R) * ld_c2);
-    scratch = ws.take<unsigned char>(static_cast<std::int64_t>(forward_scratch_bytes(d)) * num_threads);
+    scratch = ws.take<unsigned char>(static_cast<std::int64_t>(forward_scratch_bytes(d)) *
+                                     forward_block_threads(d, num_threads));
     size = ws.size();
   }
 };

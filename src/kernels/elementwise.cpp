@@ -111,7 +111,7 @@ void forward_blocks(const BlockPlan& plan, const ForwardBlockIo& io, std::int64_
   const std::int64_t D = dm.D, C = dm.C, r = dm.r, coff = dm.coff, cr = coff * r;
   const std::size_t first = first_batch_ending_after(plan, a);
   const SimdKernels& kern = simd_kernels();
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(forward_block_threads(dm, num_threads))
   {
     // This thread's scratch, carved from the workspace (no allocation here:
     // an exception cannot leave an OpenMP region).
@@ -174,6 +174,10 @@ void forward_blocks(const BlockPlan& plan, const ForwardBlockIo& io, std::int64_
       }
     }
   }
+}
+
+int forward_block_threads(const Dims& d, int num_threads) {
+  return static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(num_threads, slices(d))));
 }
 
 std::size_t forward_scratch_bytes(const Dims& d) {
