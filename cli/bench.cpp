@@ -8,10 +8,8 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <cstdio>
 #include <oneapi/dnnl/dnnl.hpp>
-#include <random>
 #include <string>
 #include <vector>
 

@@ -85,7 +85,7 @@ namespace {
 
 int resolve_threads(const Options& o) { return o.num_threads > 0 ? o.num_threads : omp_get_max_threads(); }
 
-Status out_of_memory(const char* during) {
+Status out_of_memory(const std::string& during) {
   return {StatusCode::runtime_error,
           std::string("[kvcomp] memory must be available for ") + during + " (an allocation failed)"};
 }
@@ -93,6 +93,44 @@ Status out_of_memory(const char* during) {
 Status workspace_error(std::size_t given, std::size_t needed) {
   return {StatusCode::invalid_param, "[kvcomp] workspace_size (= " + std::to_string(given) + ") must be >= " +
                                          std::to_string(needed) + " bytes, the size planned"};
+}
+
+// The steps both operators share; only validation, sizing and running differ.
+// Planning validates and sizes the workspace for the thread count resolved now.
+template <typename State, typename Args, typename Validate, typename Size>
+Status make_plan(const Args& args, const Options& options, const char* op, Validate validate,
+                 Size workspace_size, std::shared_ptr<State>& out) {
+  try {
+    detail::BlockPlan bp;
+    if (auto s = validate(args, options, &bp); !s.ok()) return s;
+    auto st = std::make_shared<State>();
+    st->args = args;
+    st->options = options;
+    st->threads = resolve_threads(options);
+    st->workspace = workspace_size(bp.dims, st->threads);
+    out = std::move(st);
+    return Status::success();
+  } catch (const std::bad_alloc&) {
+    return out_of_memory(std::string("planning the ") + op);
+  }
+}
+
+// Execute re-validates: the int32 sequence data and block tables are read
+// again, so a change between the two phases is caught, not trusted.
+template <typename State, typename Validate, typename Run>
+Status run_plan(const State* st, const char* op, void* workspace, std::size_t workspace_size,
+                Validate validate, Run run) {
+  if (!st)
+    return {StatusCode::invalid_param, std::string("[kvcomp] plan (= empty) must come from plan_") + op};
+  if (workspace_size < st->workspace) return workspace_error(workspace_size, st->workspace);
+  if (!workspace) return {StatusCode::null_pointer, "[kvcomp] workspace must not be null"};
+  try {
+    detail::BlockPlan bp;
+    if (auto s = validate(st->args, st->options, &bp); !s.ok()) return s;
+    return run(*st, bp, workspace);
+  } catch (const std::bad_alloc&) {
+    return out_of_memory(std::string("the ") + op);
+  }
 }
 
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
@@ -178,67 +216,28 @@ Status run_one_call(const Args& args, const Options& options) {
 
 Status plan_forward(const ForwardArgs& args, const Options& options, ForwardPlan* plan) {
   if (!plan) return {StatusCode::null_pointer, "[kvcomp] plan must not be null"};
-  try {
-    detail::BlockPlan bp;
-    if (auto s = detail::validate_forward(args, options, &bp); !s.ok()) return s;
-    auto st = std::make_shared<ForwardPlanState>();
-    st->args = args;
-    st->options = options;
-    st->threads = resolve_threads(options);
-    st->workspace = detail::forward_workspace_size(bp.dims, st->threads);
-    plan->state_ = std::move(st);
-    return Status::success();
-  } catch (const std::bad_alloc&) {
-    return out_of_memory("planning the forward");
-  }
+  return make_plan(args, options, "forward", detail::validate_forward, detail::forward_workspace_size,
+                   plan->state_);
 }
 
 Status plan_backward(const BackwardArgs& args, const Options& options, BackwardPlan* plan) {
   if (!plan) return {StatusCode::null_pointer, "[kvcomp] plan must not be null"};
-  try {
-    detail::BlockPlan bp;
-    if (auto s = detail::validate_backward(args, options, &bp); !s.ok()) return s;
-    auto st = std::make_shared<BackwardPlanState>();
-    st->args = args;
-    st->options = options;
-    st->threads = resolve_threads(options);
-    st->workspace = detail::backward_workspace_size(bp.dims, st->threads);
-    plan->state_ = std::move(st);
-    return Status::success();
-  } catch (const std::bad_alloc&) {
-    return out_of_memory("planning the backward");
-  }
+  return make_plan(args, options, "backward", detail::validate_backward, detail::backward_workspace_size,
+                   plan->state_);
 }
 
-// Execute re-validates: the int32 sequence data and block tables are read
-// again, so a change between the two phases is caught, not trusted.
 Status execute(ForwardPlan& plan, void* workspace, std::size_t workspace_size) {
-  if (!plan.state_) return {StatusCode::invalid_param, "[kvcomp] plan (= empty) must come from plan_forward"};
-  auto& st = *plan.state_;
-  if (workspace_size < st.workspace) return workspace_error(workspace_size, st.workspace);
-  if (!workspace) return {StatusCode::null_pointer, "[kvcomp] workspace must not be null"};
-  detail::BlockPlan bp;
-  try {
-    if (auto s = detail::validate_forward(st.args, st.options, &bp); !s.ok()) return s;
-    return detail::run_forward(st.args, bp, st.threads, workspace);
-  } catch (const std::bad_alloc&) {
-    return out_of_memory("the forward");
-  }
+  return run_plan(plan.state_.get(), "forward", workspace, workspace_size, detail::validate_forward,
+                  [](const ForwardPlanState& st, const detail::BlockPlan& bp, void* ws) {
+                    return detail::run_forward(st.args, bp, st.threads, ws);
+                  });
 }
 
 Status execute(BackwardPlan& plan, void* workspace, std::size_t workspace_size) {
-  if (!plan.state_)
-    return {StatusCode::invalid_param, "[kvcomp] plan (= empty) must come from plan_backward"};
-  auto& st = *plan.state_;
-  if (workspace_size < st.workspace) return workspace_error(workspace_size, st.workspace);
-  if (!workspace) return {StatusCode::null_pointer, "[kvcomp] workspace must not be null"};
-  detail::BlockPlan bp;
-  try {
-    if (auto s = detail::validate_backward(st.args, st.options, &bp); !s.ok()) return s;
-    return detail::run_backward(st.args, bp, st.options.precision, st.threads, workspace);
-  } catch (const std::bad_alloc&) {
-    return out_of_memory("the backward");
-  }
+  return run_plan(plan.state_.get(), "backward", workspace, workspace_size, detail::validate_backward,
+                  [](const BackwardPlanState& st, const detail::BlockPlan& bp, void* ws) {
+                    return detail::run_backward(st.args, bp, st.options.precision, st.threads, ws);
+                  });
 }
 
 void release_cached_workspace() { t_workspace.release(); }

@@ -111,6 +111,7 @@ void forward_blocks(const BlockPlan& plan, const ForwardBlockIo& io, std::int64_
   const std::int64_t D = dm.D, C = dm.C, r = dm.r, coff = dm.coff, cr = coff * r;
   const std::size_t first = first_batch_ending_after(plan, a);
   const SimdKernels& kern = simd_kernels();
+  const std::size_t io_size = dtype_size(dm.io);
 #pragma omp parallel num_threads(forward_block_threads(dm, num_threads))
   {
     // This thread's scratch, carved from the workspace (no allocation here:
@@ -166,10 +167,10 @@ void forward_blocks(const BlockPlan& plan, const ForwardBlockIo& io, std::int64_
           // Softmax over the rows of the block, per column, in float64.
           float* s_out = io.softmax_score ? io.softmax_score + orow * cr * D + d0 : nullptr;
           float* k_out = io.kv ? io.kv + orow * cr * D + d0 : nullptr;
-          kern.block_softmax(src_sc, src_kv, cr, w, e, s_out, k_out, D,
-                             static_cast<unsigned char*>(io.cmp_kv) +
-                                 static_cast<std::size_t>(orow * D + d0) * dtype_size(dm.io),
-                             dm.io);
+          kern.block_softmax(
+              src_sc, src_kv, cr, w, e, s_out, k_out, D,
+              static_cast<unsigned char*>(io.cmp_kv) + static_cast<std::size_t>(orow * D + d0) * io_size,
+              dm.io);
         }
       }
     }

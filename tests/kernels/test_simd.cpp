@@ -140,13 +140,23 @@ struct SoftmaxRun {
   std::vector<float> s_out, k_out, cmp;
 };
 
-SoftmaxRun run_softmax(const SimdKernels& kern, const Block& b, i64 w, bool placeholders, DType io) {
-  std::vector<const float*> sc(static_cast<std::size_t>(b.cr)), kv(sc.size());
-  for (i64 j = 0; j < b.cr; ++j) {
-    const bool hole = placeholders && j % 3 == 0;
-    sc[static_cast<std::size_t>(j)] = hole ? nullptr : b.sc.data() + j * b.ld;
-    kv[static_cast<std::size_t>(j)] = hole ? nullptr : b.K.data() + j * b.ld;
+// The block's score and kv row pointers; with placeholders every third row
+// is a placeholder (null).
+struct BlockRows {
+  std::vector<const float*> sc, kv;
+  BlockRows(const Block& b, bool placeholders) {
+    for (i64 j = 0; j < b.cr; ++j) {
+      const bool hole = placeholders && j % 3 == 0;
+      sc.push_back(hole ? nullptr : b.sc.data() + j * b.ld);
+      kv.push_back(hole ? nullptr : b.K.data() + j * b.ld);
+    }
   }
+};
+
+SoftmaxRun run_softmax(const SimdKernels& kern, const Block& b, i64 w, bool placeholders, DType io) {
+  const BlockRows rows(b, placeholders);
+  const auto& sc = rows.sc;
+  const auto& kv = rows.kv;
   SoftmaxRun r;
   r.s_out.assign(static_cast<std::size_t>(b.cr * b.ld), -7.0f);
   r.k_out.assign(r.s_out.size(), -7.0f);
@@ -164,12 +174,9 @@ TEST_P(Simd, SoftmaxMatchesFloat64StdExp) {
         if (holes && cr < 2) continue;
         const Block b(cr, 40, static_cast<unsigned>(cr * 100 + w));
         const SoftmaxRun r = run_softmax(k(), b, w, holes, DType::f32);
-        std::vector<const float*> sc, kv;
-        for (i64 j = 0; j < cr; ++j) {
-          const bool hole = holes && j % 3 == 0;
-          sc.push_back(hole ? nullptr : b.sc.data() + j * b.ld);
-          kv.push_back(hole ? nullptr : b.K.data() + j * b.ld);
-        }
+        const BlockRows rows(b, holes);
+        const auto& sc = rows.sc;
+        const auto& kv = rows.kv;
         for (i64 i = 0; i < w; ++i) {
           std::vector<double> s;
           double out;
