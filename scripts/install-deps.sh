@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Installs what kvcomp needs to build and test on Debian 12 (as root, or with
-# sudo available). Skips the package manager when everything is present.
+# Installs what kvcomp needs to build and test on Debian 12 (as root, or with sudo available): the
+# packages named in scripts/debian-packages.txt, plus cmake when no cmake is on PATH. Skips the
+# package manager when everything is present.
 set -euo pipefail
+cd "$(dirname "$0")/.."
 
-packages=(g++ make ninja-build pkg-config libdnnl-dev libgtest-dev libgmock-dev libbenchmark-dev
-          nlohmann-json3-dev libcli11-dev clang libclang-rt-14-dev libomp-14-dev)
+mapfile -t packages < <(sed -e 's/#.*//' -e 's/[[:space:]]//g' scripts/debian-packages.txt | grep -v '^$')
 command -v cmake >/dev/null 2>&1 || packages+=(cmake)
 
 missing=()
