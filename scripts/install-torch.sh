@@ -2,7 +2,8 @@
 # Installs what the Python package (python/, docs/python.md) and its tests need, and registers the
 # package's build folder with the interpreter:
 #   * torch (2.13.0 when no torch >= 2.4 is importable: a CPU build; never an unpinned "torch", which
-#     would fetch a multi-GB CUDA build), nanobind (to build kvcomp._C), numpy, pytest, hypothesis;
+#     would fetch a multi-GB CUDA build), nanobind (to build kvcomp._C), numpy, pytest, hypothesis,
+#     scikit-build-core (the build backend of `pip install .`, pyproject.toml);
 #   * a kvcomp-build.pth file in the interpreter's site-packages naming <repo>/build/python, so that
 #     `python3 -c "import kvcomp.torch"` works once scripts/build.sh has run (the folder may not exist
 #     yet: Python skips .pth entries that do not exist). KVCOMP_NO_PTH=1 skips this step; then set
@@ -23,8 +24,8 @@ if ! "$python" -c "import torch, sys; sys.exit(tuple(map(int, torch.__version__.
 fi
 
 missing=()
-for m in nanobind numpy pytest hypothesis; do
-  "$python" -c "import $m" >/dev/null 2>&1 || missing+=("$m")
+for m in nanobind numpy pytest hypothesis scikit_build_core; do
+  "$python" -c "import $m" >/dev/null 2>&1 || missing+=("${m//_/-}")
 done
 ((${#missing[@]} == 0)) || pip_install "${missing[@]}"
 

@@ -9,4 +9,5 @@ bash scripts/build.sh
 bash scripts/check-deps.sh
 ctest --test-dir build --output-on-failure --parallel "$(nproc)" --timeout 900
 bash scripts/test-clang.sh
+bash scripts/test-python312.sh
 bash scripts/test-sanitizers.sh
