@@ -2,9 +2,16 @@
 # examples/downstream against it (find_package(kvcomp), kvcomp::aclnn), run
 # the result and compare its output with the C++ API's; then compile the C
 # ABI test with the pkg-config flags of kvcomp-aclnn and run it.
-# Inputs: BUILD_DIR, SOURCE_DIR, WORK_DIR, GENERATOR, MAKE_PROGRAM, CXX, CC, LIBDIR, EXPECTED.
+# Inputs: BUILD_DIR, SOURCE_DIR, WORK_DIR, GENERATOR, MAKE_PROGRAM, CXX, CC, LIBDIR, EXPECTED, and where
+# the build found its own dependencies: DEP_PREFIX_PATH ('|'-separated CMAKE_PREFIX_PATH), DNNL_DIR.
 file(REMOVE_RECURSE ${WORK_DIR})
 set(prefix ${WORK_DIR}/prefix)
+string(REPLACE "|" ";" dep_prefix_path "${DEP_PREFIX_PATH}")
+set(downstream_prefix_path ${prefix} ${dep_prefix_path})
+set(dnnl_hint)
+if(DNNL_DIR)
+  set(dnnl_hint -Ddnnl_DIR=${DNNL_DIR})
+endif()
 
 function(run)
   execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
@@ -17,7 +24,7 @@ endfunction()
 run(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix})
 run(${CMAKE_COMMAND} -S ${SOURCE_DIR}/examples/downstream -B ${WORK_DIR}/build -G ${GENERATOR}
     -DCMAKE_MAKE_PROGRAM=${MAKE_PROGRAM} -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER=${CXX}
-    -DCMAKE_PREFIX_PATH=${prefix})
+    "-DCMAKE_PREFIX_PATH=${downstream_prefix_path}" ${dnnl_hint})
 run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 run(${WORK_DIR}/build/compressor_grad_example)
 set(actual "${run_output}")

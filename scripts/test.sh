@@ -10,4 +10,5 @@ bash scripts/check-deps.sh
 ctest --test-dir build --output-on-failure --parallel "$(nproc)" --timeout 900
 bash scripts/test-clang.sh
 bash scripts/test-python312.sh
+bash scripts/test-prefix-deps.sh
 bash scripts/test-sanitizers.sh
