@@ -98,9 +98,9 @@ TEST(Meta, WrongTypes) {
       {R"({"cmp_ratio": 4, "dtype": "int8"})", "\"dtype\" must be \"bf16\", \"fp16\" or \"fp32\""},
       {R"({"cmp_ratio": 4, "dtype": "bf16", "layout": "SBH"})", "\"layout\" must be \"BSH\" or \"TH\""},
   };
-  for (const auto& [text, fragment] : cases) {
-    SCOPED_TRACE(text);
-    expect_io_error([&] { kvcomp::io::parse_meta(text, "m"); }, IoError::Kind::contents, {fragment});
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.first);
+    expect_io_error([&] { kvcomp::io::parse_meta(c.first, "m"); }, IoError::Kind::contents, {c.second});
   }
 }
 
