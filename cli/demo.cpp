@@ -12,6 +12,9 @@
 // spec 7.2. The full run is also sampled: the compressed rows, and the d_x
 // rows, that depend only on the first tokens are the same numbers in both
 // problems, so they are compared with the oracle directly.
+//
+// run_demo is the steps in order: make_data, run (reduced, then the timed
+// full runs), make_goldens (the oracle), compare, report.
 #include <omp.h>
 
 #include <algorithm>
@@ -189,15 +192,30 @@ struct Report {
   }
 };
 
-}  // namespace
+// The case: shapes and tensors of the full problem and of its reduced copy.
+struct DemoCase {
+  Shared sh;
+  Instance full, red;
+  HostTensor cache0;  // the state cache both runs start from
+  i64 S = 0, rows = 0;
+};
 
-int run_demo(const DemoOptions& o_in) {
-  DemoOptions o = o_in;
+// The oracle's results on the reduced problem: float64 truth ("high") and
+// fp32 golden ("same"), forward and backward, and the cache it wrote.
+struct Goldens {
+  ref::ForwardOutputs<double> fwd_high;
+  ref::ForwardOutputs<float> fwd_same;
+  ref::BackwardOutputs<double> bwd_high;
+  ref::BackwardOutputs<float> bwd_same;
+  std::vector<double> cache_high;
+};
+
+// The three typical combinations of the aclnnCompressor documentation.
+void apply_preset(DemoOptions& o) {
   struct Preset {
     const char* name;
     i64 D, coff, r;
   };
-  // The three typical combinations of the aclnnCompressor documentation.
   for (const Preset& p :
        {Preset{"c4a", 512, 2, 4}, Preset{"c4li", 128, 2, 4}, Preset{"c128a", 512, 1, 128}}) {
     if (o.preset == p.name) {
@@ -206,10 +224,12 @@ int run_demo(const DemoOptions& o_in) {
       o.cmp_ratio = p.r;
     }
   }
-  if (o.threads > 0) omp_set_num_threads(o.threads);
-  const int threads = o.threads > 0 ? o.threads : omp_get_max_threads();
+}
 
-  Shared sh;
+// Step 1: the seeded data of the full case and of its reduced copy.
+DemoCase make_data(const DemoOptions& o, int threads) {
+  DemoCase dc;
+  Shared& sh = dc.sh;
   sh.H = o.hidden;
   sh.D = o.head_dim;
   sh.coff = o.coff;
@@ -217,7 +237,8 @@ int run_demo(const DemoOptions& o_in) {
   sh.r = o.cmp_ratio;
   sh.sp = o.start_pos;
   sh.bs = o.block_size;
-  const i64 S = o.tokens, T = S, H = sh.H, D = sh.D, C = sh.C, r = sh.r, sp = sh.sp;
+  const i64 S = o.tokens, H = sh.H, D = sh.D, C = sh.C, r = sh.r, sp = sh.sp;
+  dc.S = S;
   sh.cols = (sp + S + sh.bs - 1) / sh.bs;
   // Block id 0 means "do not write" (spec 1.3), so ids start at 1.
   sh.block_num = sh.cols + 1;
@@ -232,9 +253,8 @@ int run_demo(const DemoOptions& o_in) {
               static_cast<long long>(sh.bs), static_cast<long long>(sh.block_num),
               static_cast<long long>(sh.cols));
 
-  // ---- data
   const auto t_gen = Clock::now();
-  Instance full;
+  Instance& full = dc.full;
   full.S = S;
   full.x = HostTensor::zeros(DType::bf16, {1, S, H});
   fill_bf16(full.x, seed, kX, 1.0f);
@@ -247,8 +267,8 @@ int run_demo(const DemoOptions& o_in) {
   sh.ape = HostTensor::zeros(DType::f32, {r, C});
   fill_f32(sh.ape, seed, kApe, 0.5f);
   // The upstream tests start from a state uniform in (-10, 10).
-  HostTensor cache0 = HostTensor::zeros(DType::f32, {sh.block_num, sh.bs, 2 * C});
-  fill_f32(cache0, seed, kCache, 10.0f);
+  dc.cache0 = HostTensor::zeros(DType::f32, {sh.block_num, sh.bs, 2 * C});
+  fill_f32(dc.cache0, seed, kCache, 10.0f);
   sh.table = HostTensor::zeros(DType::i32, {1, sh.cols});
   {
     // A seeded shuffle of 1..cols: pages are scattered in a real cache.
@@ -263,20 +283,20 @@ int run_demo(const DemoOptions& o_in) {
   }
   sh.start_pos = HostTensor::zeros(DType::i32, {1});
   sh.start_pos.as<std::int32_t>()[0] = static_cast<std::int32_t>(sp);
-  full.cache = cache0;
+  full.cache = dc.cache0;
   allocate_outputs(sh, full);
-  const i64 rows = compressed_rows_bsh(S, r);
-  full.d_cmp_kv = HostTensor::zeros(DType::bf16, {1, rows, D});
+  dc.rows = compressed_rows_bsh(S, r);
+  full.d_cmp_kv = HostTensor::zeros(DType::bf16, {1, dc.rows, D});
   fill_bf16(full.d_cmp_kv, seed, kDcmp, 1.0f);
 
   // The reduced problem: the first Sr tokens, the same everything else.
-  Instance red;
+  Instance& red = dc.red;
   // At least two compressed blocks, or the d_x sample (coff = 2) is empty.
   red.S = std::min(S, std::max(o.check_tokens, 2 * r));
   const i64 Sr = red.S, rows_r = compressed_rows_bsh(Sr, r);
   red.x = HostTensor::zeros(DType::bf16, {1, Sr, H});
   std::memcpy(red.x.bytes.data(), full.x.bytes.data(), static_cast<std::size_t>(Sr * H) * 2);
-  red.cache = cache0;
+  red.cache = dc.cache0;
   allocate_outputs(sh, red);
   red.d_cmp_kv = HostTensor::zeros(DType::bf16, {1, rows_r, D});
   std::memcpy(red.d_cmp_kv.bytes.data(), full.d_cmp_kv.bytes.data(),
@@ -287,27 +307,28 @@ int run_demo(const DemoOptions& o_in) {
   std::printf("  %-16s %-22s %s\n", "x, d_x", dims({1, S, H}).c_str(), "bf16");
   std::printf("  %-16s %-22s %s\n", "wkv, wgate (+d_)", dims({C, H}).c_str(), "bf16");
   std::printf("  %-16s %-22s %s\n", "ape, d_ape", dims({r, C}).c_str(), "f32");
-  std::printf("  %-16s %-22s %s\n", "state_cache", dims(cache0.shape).c_str(), "f32");
-  std::printf("  %-16s %-22s %s\n", "cmp_kv, d_cmp_kv", dims({1, rows, D}).c_str(), "bf16");
+  std::printf("  %-16s %-22s %s\n", "state_cache", dims(dc.cache0.shape).c_str(), "f32");
+  std::printf("  %-16s %-22s %s\n", "cmp_kv, d_cmp_kv", dims({1, dc.rows, D}).c_str(), "bf16");
   std::printf("  %-16s %-22s %s\n", "softmax_score, kv", dims(full.score.shape).c_str(), "f32");
+  return dc;
+}
 
-  Options opt;
-  opt.num_threads = o.threads;
-
-  // The reduced run goes first; it also warms up the library (JIT kernels,
-  // thread pool) before the timed runs.
-  ForwardArgs fa_r = forward_args(sh, red);
+// Step 2: kvcomp on the reduced problem (which also warms up the library:
+// JIT kernels, thread pool), then the timed runs of the full case.
+bool run(DemoCase& dc, const DemoOptions& o, const Options& opt) {
+  Shared& sh = dc.sh;
+  ForwardArgs fa_r = forward_args(sh, dc.red);
   Status st = compressor_forward(fa_r, opt);
   if (st.ok()) {
-    BackwardArgs ba_r = backward_args(sh, red);
+    BackwardArgs ba_r = backward_args(sh, dc.red);
     st = compressor_backward(ba_r, opt);
   }
   if (!st.ok()) {
     print_error(st.value(), st.message);
-    return kExitStatus;
+    return false;
   }
 
-  // ---- timed full runs
+  const i64 T = dc.S, C = sh.C, H = sh.H;
   const double tcH = static_cast<double>(T) * static_cast<double>(C) * static_cast<double>(H);
   auto time_op = [&](auto&& call, double flops, const char* label) -> bool {
     double best = 1e300, total = 0;
@@ -332,16 +353,21 @@ int run_demo(const DemoOptions& o_in) {
   std::printf("timing (full case, whole call incl. planning and workspace):\n");
   // Writes go to positions >= start_pos and reads to positions below it, so a
   // repeated forward sees the same cache every time.
-  ForwardArgs fa = forward_args(sh, full);
-  if (!time_op([&] { return compressor_forward(fa, opt); }, 4 * tcH, "forward (grad_enabled)"))
-    return kExitStatus;
-  BackwardArgs ba = backward_args(sh, full);
-  if (!time_op([&] { return compressor_backward(ba, opt); }, 8 * tcH, "backward")) return kExitStatus;
+  ForwardArgs fa = forward_args(sh, dc.full);
+  if (!time_op([&] { return compressor_forward(fa, opt); }, 4 * tcH, "forward (grad_enabled)")) return false;
+  BackwardArgs ba = backward_args(sh, dc.full);
+  if (!time_op([&] { return compressor_backward(ba, opt); }, 8 * tcH, "backward")) return false;
   std::printf("  flops counted: forward 4*T*C*H, backward 8*T*C*H (T=%lld, C=%lld, H=%lld)\n",
               static_cast<long long>(T), static_cast<long long>(C), static_cast<long long>(H));
+  return true;
+}
 
-  // ---- oracle on the reduced problem
+// Step 3: the float64 oracle and the fp32 golden on the reduced problem.
+Goldens make_goldens(const DemoCase& dc) {
   const auto t_ref = Clock::now();
+  const Shared& sh = dc.sh;
+  const Instance& red = dc.red;
+  const i64 Sr = red.S, H = sh.H, D = sh.D, C = sh.C, r = sh.r, rows_r = compressed_rows_bsh(Sr, r);
   ref::Problem p;
   p.th = false;
   p.B = 1;
@@ -350,7 +376,7 @@ int run_demo(const DemoOptions& o_in) {
   p.D = D;
   p.coff = sh.coff;
   p.r = r;
-  p.start_pos = {static_cast<std::int32_t>(sp)};
+  p.start_pos = {static_cast<std::int32_t>(sh.sp)};
   const i64 nrow = sh.coff * r;
   const std::vector<std::int32_t> table(sh.table.as<std::int32_t>(), sh.table.as<std::int32_t>() + sh.cols);
 
@@ -365,7 +391,7 @@ int run_demo(const DemoOptions& o_in) {
     in.cache.cache_mode = 1;
     in.cache.block_table = table;
     in.cache.table_cols = sh.cols;
-    in.cache.data = to_real<Real>(cache0, cache0.numel());
+    in.cache.data = to_real<Real>(dc.cache0, dc.cache0.numel());
     return in;
   };
   // The backward of all three parties takes kvcomp's own forward
@@ -380,17 +406,31 @@ int run_demo(const DemoOptions& o_in) {
     in.kv = to_real<Real>(red.kv, rows_r * nrow * D);
     return in;
   };
+  Goldens g;
   auto fin_d = make_fwd_inputs(0.0);
-  const auto fout_d = ref::forward<double>(p, fin_d);
-  const auto bout_d = ref::backward<double>(p, make_bwd_inputs(fin_d));
+  g.fwd_high = ref::forward<double>(p, fin_d);
+  g.bwd_high = ref::backward<double>(p, make_bwd_inputs(fin_d));
+  g.cache_high = fin_d.cache.data;
   auto fin_f = make_fwd_inputs(0.0f);
-  const auto fout_f = ref::forward<float>(p, fin_f);
+  g.fwd_same = ref::forward<float>(p, fin_f);
   // The "same" golden stages d_new in the io dtype, as the NPU does (spec 6.2).
-  const auto bout_f = ref::backward<float>(p, make_bwd_inputs(fin_f),
-                                           [](float v) { return bf16_to_float(float_to_bf16(v)); });
+  g.bwd_same = ref::backward<float>(p, make_bwd_inputs(fin_f),
+                                    [](float v) { return bf16_to_float(float_to_bf16(v)); });
   std::printf("float64 oracle and fp32 golden on the reduced problem: %.2f s\n", seconds_since(t_ref));
+  return g;
+}
 
-  // ---- compare
+// Step 4: the three-party comparisons, one report row each; false if any fails.
+bool compare(const DemoCase& dc, const Goldens& g) {
+  const Shared& sh = dc.sh;
+  const Instance &red = dc.red, &full = dc.full;
+  const i64 Sr = red.S, H = sh.H, D = sh.D, C = sh.C, r = sh.r, sp = sh.sp,
+            rows_r = compressed_rows_bsh(Sr, r);
+  const i64 nrow = sh.coff * r;
+  const auto& fout_d = g.fwd_high;
+  const auto& bout_d = g.bwd_high;
+  const auto& fout_f = g.fwd_same;
+  const auto& bout_f = g.bwd_same;
   // Valid (non-padding) compressed rows of the reduced problem form a prefix
   // for B = 1.
   i64 valid = 0;
@@ -420,9 +460,9 @@ int run_demo(const DemoOptions& o_in) {
   rep.row("d_ape", f32, floats(red.d_ape, 0, r, C), rounded(bout_f.d_ape, 0, r, C, f32),
           rounded(bout_d.d_ape, 0, r, C, f32));
   {
-    const i64 n = cache0.numel();
+    const i64 n = dc.cache0.numel();
     const ref::TwoWayResult tp =
-        ref::two_way_compare(floats(red.cache, 0, n, 1), rounded(fin_d.cache.data, 0, n, 1, f32), bf);
+        ref::two_way_compare(floats(red.cache, 0, n, 1), rounded(g.cache_high, 0, n, 1, f32), bf);
     rep.all_pass = rep.all_pass && tp.pass;
     std::printf(
         "  %-26s two-party (spec 7.1, bf16 tolerances): %zu elements, pass rate %.4f%%, %zu outside  %s\n",
@@ -445,7 +485,11 @@ int run_demo(const DemoOptions& o_in) {
           rounded(fout_d.softmax_score, 0, valid, nrow * D, f32));
   rep.row("d_x rows [0," + std::to_string(dx_rows) + ")", bf, floats(full.d_x, 0, dx_rows, H),
           rounded(bout_f.d_x, 0, dx_rows, H, bf), rounded(bout_d.d_x, 0, dx_rows, H, bf));
+  return rep.all_pass;
+}
 
+// Step 5: the legend and the verdict; the exit code.
+int report(bool all_pass) {
   std::printf(
       "\nMARE = max relative error over |C| >= 2e-8 (bf16) / 2e-14 (f32); pass: MARE_A < 10*MARE_B, "
       "MERE_A < 2*MERE_B, RMSE_A < 2*RMSE_B\n");
@@ -454,12 +498,27 @@ int run_demo(const DemoOptions& o_in) {
       "ulp"
       " of C plus 2^-18 max|C|, rounding flips <= 2x B's + 3; fp32: MERE, RMSE ratios < 2, max abs <= 10x "
       "B's\n");
-  if (!rep.all_pass) {
+  if (!all_pass) {
     std::printf("result: precision check FAILED\n");
     return kExitStatus;
   }
   std::printf("result: PASS\n");
   return kExitOk;
+}
+
+}  // namespace
+
+int run_demo(const DemoOptions& o_in) {
+  DemoOptions o = o_in;
+  apply_preset(o);
+  if (o.threads > 0) omp_set_num_threads(o.threads);
+  const int threads = o.threads > 0 ? o.threads : omp_get_max_threads();
+  DemoCase dc = make_data(o, threads);
+  Options opt;
+  opt.num_threads = o.threads;
+  if (!run(dc, o, opt)) return kExitStatus;
+  const Goldens g = make_goldens(dc);
+  return report(compare(dc, g));
 }
 
 }  // namespace kvcomp::cli

@@ -120,16 +120,16 @@ def _dims(a):
 
 
 def compressed_leading_shape(x_shape, cu_seqlens_len, cmp_ratio):
-    """Leading dims of cmp_kv / softmax_score / kv: BSH (B, ceil(S/r)), TH (min(T, T//r + B),).
+    """Leading dims of cmp_kv / softmax_score / kv: BSH (B, ceil(S/r)), TH (min(T, T//r + B),), by the
+    core's own formulas (kvcomp::compressed_rows_bsh / compressed_rows_th).
 
     Invalid inputs give some shape; the core then rejects the call with its own sentence.
     """
     r = max(int(cmp_ratio), 1)
     if len(x_shape) == 3:
-        return (x_shape[0], -(-x_shape[1] // r))
+        return (x_shape[0], _C.compressed_rows_bsh(x_shape[1], r))
     if len(x_shape) == 2:
-        batches = max(cu_seqlens_len - 1, 0)
-        return (min(x_shape[0], x_shape[0] // r + batches),)
+        return (_C.compressed_rows_th(x_shape[0], max(cu_seqlens_len - 1, 0), r),)
     return (0,)
 
 

@@ -9,6 +9,7 @@
 #include "core/ops.hpp"
 #include "kernels/isa.hpp"
 #include "kvcomp/kvcomp.hpp"
+#include "kvcomp/version.hpp"
 #include "validate/validate.hpp"
 
 namespace kvcomp {
@@ -63,7 +64,7 @@ std::int64_t compressed_rows_th(std::int64_t T, std::int64_t B, std::int64_t r) 
   return r > 0 ? std::min(T, T / r + B) : 0;
 }
 
-const char* version() { return "0.1.0"; }
+const char* version() { return KVCOMP_VERSION_STRING; }
 
 struct ForwardPlanState {
   ForwardArgs args;

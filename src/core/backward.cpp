@@ -2,9 +2,9 @@
 #include <cstring>
 #include <vector>
 
+#include "core/block_phases.hpp"
 #include "core/ops.hpp"
 #include "kernels/convert.hpp"
-#include "kernels/elementwise.hpp"
 #include "kernels/gemm.hpp"
 
 namespace kvcomp::detail {

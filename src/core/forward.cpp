@@ -1,9 +1,9 @@
 #include <algorithm>
 #include <cstring>
 
+#include "core/block_phases.hpp"
 #include "core/ops.hpp"
 #include "kernels/convert.hpp"
-#include "kernels/elementwise.hpp"
 #include "kernels/gemm.hpp"
 
 namespace kvcomp::detail {
@@ -49,7 +49,7 @@ void zero_padding_rows(const ForwardArgs& args, const BlockPlan& plan) {
   if (d.layout == Layout::th) {
     zero_rows(plan.total_blocks, args.cmp_kv.dim(0) - plan.total_blocks);
   } else {
-    const std::int64_t per = d.rows_per_batch_bsh();
+    const std::int64_t per = compressed_rows_bsh(d.S, d.r);
     for (const auto& s : plan.batches) zero_rows(s.out_row + s.nblocks, per - s.nblocks);
   }
 }

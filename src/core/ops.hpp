@@ -1,5 +1,6 @@
 // The two operator drivers: chunked over token rows, GEMMs through
-// kernels/gemm, element-wise phases through kernels/elementwise.
+// kernels/gemm, the block phases (cache writes, block assembly, the walk over
+// batches) through core/block_phases, io conversions through kernels/convert.
 #pragma once
 
 #include <cstddef>

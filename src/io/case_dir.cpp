@@ -68,7 +68,7 @@ void check_rank(const NpyArray& a, const std::string& name) {
 }
 
 std::size_t byte_count(std::int64_t numel, DType dt) {
-  return static_cast<std::size_t>(numel) * dtype_bytes(dt);
+  return static_cast<std::size_t>(numel) * dtype_size(dt);
 }
 
 // HostTensor keeps at least one byte so that views of empty tensors are not
@@ -176,18 +176,6 @@ bool cache_is_spread(const FwdCase& c) {
 }
 
 }  // namespace
-
-std::size_t dtype_bytes(DType dt) {
-  switch (dt) {
-    case DType::f16:
-    case DType::bf16:
-      return 2;
-    case DType::f32:
-    case DType::i32:
-      return 4;
-  }
-  return 1;
-}
 
 namespace {
 
@@ -299,7 +287,7 @@ HostTensor HostTensor::zeros(DType dtype, std::vector<std::int64_t> shape) {
   t.shape = std::move(shape);
   const std::int64_t n = t.numel();
   if (n < 0) bad("output", "shape " + shape_string(t.shape) + " is invalid or overflows");
-  if (static_cast<std::uint64_t>(n) > kMaxTensorBytes / dtype_bytes(dtype))
+  if (static_cast<std::uint64_t>(n) > kMaxTensorBytes / dtype_size(dtype))
     bad("output",
         "shape " + shape_string(t.shape) + " is larger than " + std::to_string(kMaxTensorBytes) + " bytes");
   t.bytes.assign(std::max<std::size_t>(byte_count(n, dtype), 1), 0);

@@ -46,8 +46,6 @@ struct CaseMeta {
 CaseMeta parse_meta(std::string_view json_text, const std::string& name);
 CaseMeta read_meta(const std::filesystem::path& file);
 
-std::size_t dtype_bytes(DType dt);
-
 // An owned, contiguous tensor plus the view kvcomp takes.
 struct HostTensor {
   DType dtype = DType::f32;

@@ -1,5 +1,6 @@
 #include "plan/block_plan.hpp"
 
+#include <algorithm>
 #include <limits>
 #include <string>
 
@@ -15,7 +16,7 @@ Status BlockPlan::build(const Dims& dims, const std::int32_t* cu, const std::int
   plan.dims = dims;
   plan.batches.resize(static_cast<std::size_t>(dims.B));
   const std::int64_t r = dims.r;
-  const std::int64_t bsh_rows = dims.rows_per_batch_bsh();
+  const std::int64_t bsh_rows = dims.layout == Layout::bsh ? compressed_rows_bsh(dims.S, r) : 0;
   if (dims.layout == Layout::th) {
     if (cu[0] != 0) return reject("cu_seqlens[0] (= " + std::to_string(cu[0]) + ") must be 0");
     if (cu[dims.B] != dims.T)
@@ -60,8 +61,10 @@ Status BlockPlan::build(const Dims& dims, const std::int32_t* cu, const std::int
   return Status::success();
 }
 
-std::int64_t BlockPlan::compressed_rows_needed() const {
-  return dims.layout == Layout::th ? total_blocks : dims.B * dims.rows_per_batch_bsh();
+std::size_t first_batch_ending_after(const BlockPlan& plan, std::int64_t row) {
+  auto it = std::partition_point(plan.batches.begin(), plan.batches.end(),
+                                 [row](const BatchSpan& s) { return s.base + s.len <= row; });
+  return static_cast<std::size_t>(it - plan.batches.begin());
 }
 
 }  // namespace kvcomp::detail

@@ -6,6 +6,7 @@
 // one is partial when sp % r != 0 (its first sp % r cur slots are cache rows).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -22,9 +23,6 @@ struct Dims {
   std::int64_t B = 0, S = 0, T = 0;  // S: BSH padded length; T: token rows of x
   std::int64_t H = 0, D = 0, C = 0;  // C = coff * D
   std::int64_t r = 0, coff = 1;
-  std::int64_t out_rows = 0;  // rows of cmp_kv / d_cmp_kv / softmax_score / kv (flattened)
-  std::int64_t rows_per_batch_bsh() const { return layout == Layout::bsh ? (S + r - 1) / r : 0; }
-  std::int64_t block_rows() const { return coff * r; }
 };
 
 struct BatchSpan {
@@ -49,11 +47,11 @@ struct BlockPlan {
   // start_pos + len fits in int32. Writes *out only on success.
   static Status build(const Dims& dims, const std::int32_t* cu_seqlens, const std::int32_t* seqused,
                       const std::int32_t* start_pos, BlockPlan* out);
-
-  // Number of output rows a given tensor needs (TH: total_blocks; BSH: the
-  // fixed ceil(S/r) per batch).
-  std::int64_t compressed_rows_needed() const;
 };
+
+// Index of the first batch whose rows reach past `row` (batches are in row
+// order); plan.batches.size() if none.
+std::size_t first_batch_ending_after(const BlockPlan& plan, std::int64_t row);
 
 // Row source of slot (half c, slot t) of block k in batch span `bs`:
 // position p = k*r + t - (coff-1-c)*r. Fresh when p >= sp.

@@ -90,7 +90,7 @@ const std::int32_t* int_data(const std::optional<Tensor>& t) {
   return t ? static_cast<const std::int32_t*>(t->data) : nullptr;
 }
 
-// Rules shared by both operators (SequenceArgs). Fills dims except out_rows.
+// Rules shared by both operators (SequenceArgs). Fills dims.
 // forward_empty_ok: the forward accepts B = S = T = 0.
 Status validate_sequence(const SequenceArgs& a, const Options& o, bool forward, Dims* dims) {
   if (auto s = check_present("x", a.x, forward); !s.ok()) return s;
@@ -170,7 +170,7 @@ Status validate_sequence(const SequenceArgs& a, const Options& o, bool forward, 
 Status check_compressed(const char* name, const Tensor& t, const Dims& d, bool intermediate) {
   const std::int64_t cr = d.coff * d.r;
   if (d.layout == Layout::bsh) {
-    const std::int64_t rows = d.rows_per_batch_bsh();
+    const std::int64_t rows = compressed_rows_bsh(d.S, d.r);
     return intermediate ? check_shape(name, t, {d.B, rows, cr, d.D}) : check_shape(name, t, {d.B, rows, d.D});
   }
   const bool ok = intermediate ? (t.dim(1) == cr && t.dim(2) == d.D) : t.dim(1) == d.D;
@@ -293,7 +293,6 @@ Status validate_forward(const ForwardArgs& a, const Options& o, BlockPlan* plan)
                    shape_str(a.kv) + ") must have as many rows as cmp_kv (shape " + shape_str(a.cmp_kv) +
                    ")");
   }
-  d.out_rows = d.layout == Layout::bsh ? d.B * d.rows_per_batch_bsh() : a.cmp_kv.dim(0);
   BlockPlan p;
   if (auto s = build_plan(a, d, &p); !s.ok()) return s;
   if (auto s = check_th_rows("cmp_kv", a.cmp_kv, p); !s.ok()) return s;
@@ -349,7 +348,6 @@ Status validate_backward(const BackwardArgs& a, const Options& o, BlockPlan* pla
   if (auto s = check_shape("d_wkv", a.d_wkv, {d.C, d.H}); !s.ok()) return s;
   if (auto s = check_shape("d_wgate", a.d_wgate, {d.C, d.H}); !s.ok()) return s;
   if (auto s = check_shape("d_ape", a.d_ape, {d.r, d.C}); !s.ok()) return s;
-  d.out_rows = d.layout == Layout::bsh ? d.B * d.rows_per_batch_bsh() : a.d_cmp_kv.dim(0);
   BlockPlan p;
   if (auto s = build_plan(a, d, &p); !s.ok()) return s;
   if (auto s = check_th_rows("d_cmp_kv", a.d_cmp_kv, p); !s.ok()) return s;

@@ -1,7 +1,12 @@
 // Forward and backward against the float64 oracle, over the sweep of issue #2.
+// A failing case prints itself (PrintTo) with every field and its seeds.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <ostream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -10,96 +15,204 @@
 namespace kvcomp::test {
 namespace {
 
+// One case of the sweep, by named fields (designated initialisers); the
+// defaults are those of most cases. Prints as one line with every field and
+// the seeds, so that a failure can be replayed.
 struct SweepCase {
   std::string name;
-  RandomOptions opt;
+  bool th = false;  // layout: TH (segments of at most S tokens) or BSH
+  std::int64_t B = 2, S = 8, H = 16, D = 16, coff = 2, r = 4;
+  int cache_mode = 1;
   DType io = DType::bf16;
+  std::int32_t max_start_pos = 0;  // start_pos uniform in [0, max]; negative: absent
+  std::int64_t block_size = 8;
+  std::vector<std::int32_t> start_pos = {}, seqused = {}, lengths = {};  // fixed values, B entries each
+  bool random_seqused = true;                                            // false: seqused absent
+  bool allow_empty_segments = true;
+  std::uint64_t forward_seed = 1234, backward_seed = 99, backward_data_seed = 7;
+
+  RandomOptions options() const {
+    RandomOptions o;
+    o.th = th;
+    o.B = B;
+    o.S = S;
+    o.H = H;
+    o.D = D;
+    o.coff = coff;
+    o.r = r;
+    o.cache_mode = cache_mode;
+    o.max_start_pos = max_start_pos;
+    o.block_size = block_size;
+    o.start_pos = start_pos;
+    o.seqused = seqused;
+    o.lengths = lengths;
+    o.random_seqused = random_seqused;
+    o.allow_empty_segments = allow_empty_segments;
+    return o;
+  }
 };
 
-std::ostream& operator<<(std::ostream& os, const SweepCase& c) { return os << c.name; }
-
-SweepCase make(std::string name, bool th, std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t D,
-               std::int64_t coff, std::int64_t r, int cache_mode, DType io, std::int32_t max_sp) {
-  SweepCase c;
-  c.name = std::move(name);
-  c.opt.th = th;
-  c.opt.B = B;
-  c.opt.S = S;
-  c.opt.H = H;
-  c.opt.D = D;
-  c.opt.coff = coff;
-  c.opt.r = r;
-  c.opt.cache_mode = cache_mode;
-  c.opt.max_start_pos = max_sp;
-  c.opt.block_size = 8;
-  c.io = io;
-  return c;
+std::string list(const std::vector<std::int32_t>& v) {
+  std::ostringstream os;
+  os << '[';
+  for (std::size_t i = 0; i < v.size(); ++i) os << (i ? "," : "") << v[i];
+  os << ']';
+  return os.str();
 }
 
+std::ostream& operator<<(std::ostream& os, const SweepCase& c) {
+  return os << c.name << ": layout=" << (c.th ? "TH" : "BSH") << " B=" << c.B << " S=" << c.S << " H=" << c.H
+            << " D=" << c.D << " coff=" << c.coff << " r=" << c.r << " cache_mode=" << c.cache_mode
+            << " io=" << dtype_name(c.io) << " max_start_pos=" << c.max_start_pos
+            << " block_size=" << c.block_size << " start_pos=" << list(c.start_pos)
+            << " seqused=" << list(c.seqused) << " lengths=" << list(c.lengths)
+            << " random_seqused=" << c.random_seqused << " allow_empty_segments=" << c.allow_empty_segments
+            << " forward_seed=" << c.forward_seed << " backward_seed=" << c.backward_seed
+            << " backward_data_seed=" << c.backward_data_seed;
+}
+
+// gtest prints a failing parameterised case with this.
+void PrintTo(const SweepCase& c, std::ostream* os) { *os << c; }
+
 std::vector<SweepCase> sweep() {
-  std::vector<SweepCase> v;
-  // The three production profiles (narrow H keeps the oracle fast).
-  v.push_back(make("c4a_bsh_bf16", false, 2, 16, 48, 512, 2, 4, 1, DType::bf16, 9));
-  v.push_back(make("c4a_th_fp16_ring", true, 3, 14, 40, 512, 2, 4, 2, DType::f16, 11));
-  v.push_back(make("c4li_th_bf16", true, 4, 12, 64, 128, 2, 4, 1, DType::bf16, 6));
-  v.push_back(make("c4li_bsh_fp16_ring", false, 2, 10, 32, 128, 2, 4, 2, DType::f16, 5));
-  v.push_back(make("c128a_bsh_bf16", false, 1, 300, 24, 512, 1, 128, 1, DType::bf16, 200));
-  v.push_back(make("c128a_th_fp16", true, 2, 280, 16, 512, 1, 128, 2, DType::f16, 150));
+  std::vector<SweepCase> v = {
+      // The three production profiles (narrow H keeps the oracle fast).
+      {.name = "c4a_bsh_bf16", .B = 2, .S = 16, .H = 48, .D = 512, .max_start_pos = 9},
+      {.name = "c4a_th_fp16_ring",
+       .th = true,
+       .B = 3,
+       .S = 14,
+       .H = 40,
+       .D = 512,
+       .cache_mode = 2,
+       .io = DType::f16,
+       .max_start_pos = 11},
+      {.name = "c4li_th_bf16", .th = true, .B = 4, .S = 12, .H = 64, .D = 128, .max_start_pos = 6},
+      {.name = "c4li_bsh_fp16_ring",
+       .B = 2,
+       .S = 10,
+       .H = 32,
+       .D = 128,
+       .cache_mode = 2,
+       .io = DType::f16,
+       .max_start_pos = 5},
+      {.name = "c128a_bsh_bf16",
+       .B = 1,
+       .S = 300,
+       .H = 24,
+       .D = 512,
+       .coff = 1,
+       .r = 128,
+       .max_start_pos = 200},
+      {.name = "c128a_th_fp16",
+       .th = true,
+       .B = 2,
+       .S = 280,
+       .H = 16,
+       .D = 512,
+       .coff = 1,
+       .r = 128,
+       .cache_mode = 2,
+       .io = DType::f16,
+       .max_start_pos = 150},
+  };
   // Odd and non-power-of-two ratios.
   for (std::int64_t r : {3, 9, 33, 127})
     for (std::int64_t coff : {1, 2}) {
       const std::string n = "r" + std::to_string(r) + "_coff" + std::to_string(coff);
-      v.push_back(make(n + "_bsh_bf16", false, 2, 2 * r + 5, 24, 16, coff, r, 1, DType::bf16,
-                       static_cast<std::int32_t>(3 * r)));
-      v.push_back(make(n + "_th_fp16_ring", true, 3, 2 * r + 3, 20, 24, coff, r, 2, DType::f16,
-                       static_cast<std::int32_t>(2 * r + 1)));
+      v.push_back({.name = n + "_bsh_bf16",
+                   .B = 2,
+                   .S = 2 * r + 5,
+                   .H = 24,
+                   .D = 16,
+                   .coff = coff,
+                   .r = r,
+                   .max_start_pos = static_cast<std::int32_t>(3 * r)});
+      v.push_back({.name = n + "_th_fp16_ring",
+                   .th = true,
+                   .B = 3,
+                   .S = 2 * r + 3,
+                   .H = 20,
+                   .D = 24,
+                   .coff = coff,
+                   .r = r,
+                   .cache_mode = 2,
+                   .io = DType::f16,
+                   .max_start_pos = static_cast<std::int32_t>(2 * r + 1)});
     }
-  // fp32 io (extension), ratio 1 and 2.
-  v.push_back(make("r1_bsh_f32", false, 2, 7, 96, 16, 2, 1, 1, DType::f32, 3));
-  v.push_back(make("r2_th_f32", true, 3, 9, 96, 16, 1, 2, 1, DType::f32, 5));
-  // start_pos regimes: aligned, unaligned, none.
-  {
-    auto c = make("startpos_aligned", false, 3, 12, 32, 16, 2, 4, 1, DType::bf16, 0);
-    c.opt.start_pos = {0, 8, 16};
-    v.push_back(c);
-    auto u = make("startpos_unaligned", false, 3, 12, 32, 16, 2, 4, 1, DType::bf16, 0);
-    u.opt.start_pos = {1, 5, 7};
-    v.push_back(u);
-    auto n = make("startpos_absent_seqused_absent", false, 2, 13, 32, 16, 2, 4, 1, DType::f16, -1);
-    n.opt.random_seqused = false;
-    v.push_back(n);
-  }
-  // seqused 0 / partial / full.
-  {
-    auto c = make("seqused_mixed", false, 3, 12, 32, 16, 2, 4, 2, DType::bf16, 0);
-    c.opt.start_pos = {3, 4, 6};
-    c.opt.seqused = {0, 7, 12};
-    v.push_back(c);
-  }
-  // TH with empty segments, and hundreds of 1-3 token batches.
-  {
-    auto c = make("th_empty_segments", true, 6, 9, 24, 16, 2, 4, 1, DType::bf16, 10);
-    c.opt.lengths = {0, 7, 0, 0, 9, 3};
-    v.push_back(c);
-    auto t = make("th_tiny_batches", true, 300, 3, 16, 8, 2, 4, 1, DType::bf16, 9);
-    v.push_back(t);
-  }
-  // Longer than one chunk of token rows (kChunkRows = 1024): blocks and their
-  // prev halves straddle chunk boundaries.
-  {
-    auto c = make("chunks_th_c4", true, 3, 1100, 64, 8, 2, 4, 1, DType::bf16, 7);
-    c.opt.allow_empty_segments = false;
-    c.opt.random_seqused = false;
-    v.push_back(c);
-    auto d = make("chunks_bsh_r128", false, 1, 2200, 8, 8, 1, 128, 2, DType::f16, 130);
-    v.push_back(d);
-    auto e = make("chunks_bsh_r5_coff2", false, 2, 1030, 8, 4, 2, 5, 1, DType::bf16, 12);
-    v.push_back(e);
-    // A block (coff*r = 1200 rows) longer than a chunk: the carried rows of
-    // the forward span more than one previous chunk.
-    auto f = make("chunks_bsh_r600_coff2", false, 1, 2700, 8, 4, 2, 600, 1, DType::bf16, 650);
-    v.push_back(f);
-  }
+  v.insert(
+      v.end(),
+      {
+          // fp32 io (extension), ratio 1 and 2.
+          {.name = "r1_bsh_f32", .B = 2, .S = 7, .H = 96, .r = 1, .io = DType::f32, .max_start_pos = 3},
+          {.name = "r2_th_f32",
+           .th = true,
+           .B = 3,
+           .S = 9,
+           .H = 96,
+           .coff = 1,
+           .r = 2,
+           .io = DType::f32,
+           .max_start_pos = 5},
+          // start_pos regimes: aligned, unaligned, none.
+          {.name = "startpos_aligned", .B = 3, .S = 12, .H = 32, .start_pos = {0, 8, 16}},
+          {.name = "startpos_unaligned", .B = 3, .S = 12, .H = 32, .start_pos = {1, 5, 7}},
+          {.name = "startpos_absent_seqused_absent",
+           .B = 2,
+           .S = 13,
+           .H = 32,
+           .io = DType::f16,
+           .max_start_pos = -1,
+           .random_seqused = false},
+          // seqused 0 / partial / full.
+          {.name = "seqused_mixed",
+           .B = 3,
+           .S = 12,
+           .H = 32,
+           .cache_mode = 2,
+           .start_pos = {3, 4, 6},
+           .seqused = {0, 7, 12}},
+          // TH with empty segments, and hundreds of 1-3 token batches.
+          {.name = "th_empty_segments",
+           .th = true,
+           .B = 6,
+           .S = 9,
+           .H = 24,
+           .max_start_pos = 10,
+           .lengths = {0, 7, 0, 0, 9, 3}},
+          {.name = "th_tiny_batches", .th = true, .B = 300, .S = 3, .D = 8, .max_start_pos = 9},
+          // Longer than one chunk of token rows (kChunkRows = 1024): blocks and
+          // their prev halves straddle chunk boundaries.
+          {.name = "chunks_th_c4",
+           .th = true,
+           .B = 3,
+           .S = 1100,
+           .H = 64,
+           .D = 8,
+           .max_start_pos = 7,
+           .random_seqused = false,
+           .allow_empty_segments = false},
+          {.name = "chunks_bsh_r128",
+           .B = 1,
+           .S = 2200,
+           .H = 8,
+           .D = 8,
+           .coff = 1,
+           .r = 128,
+           .cache_mode = 2,
+           .io = DType::f16,
+           .max_start_pos = 130},
+          {.name = "chunks_bsh_r5_coff2", .B = 2, .S = 1030, .H = 8, .D = 4, .r = 5, .max_start_pos = 12},
+          // A block (coff*r = 1200 rows) longer than a chunk: the carried rows of
+          // the forward span more than one previous chunk.
+          {.name = "chunks_bsh_r600_coff2",
+           .B = 1,
+           .S = 2700,
+           .H = 8,
+           .D = 4,
+           .r = 600,
+           .max_start_pos = 650},
+      });
   return v;
 }
 
@@ -107,12 +220,13 @@ class Sweep : public ::testing::TestWithParam<SweepCase> {};
 
 TEST_P(Sweep, ForwardMatchesOracle) {
   const SweepCase& c = GetParam();
-  auto rc = make_random_case(c.opt, 1234);
+  auto rc = make_random_case(c.options(), c.forward_seed);
   round_io_inputs(rc.in, c.io);
   const ref::Problem& p = rc.problem;
 
   ForwardRun ours(p, rc.in, c.io);
-  ASSERT_TRUE(ours.run().ok()) << ours.run().message;
+  const Status s = ours.run();
+  ASSERT_TRUE(s.ok()) << s.message;
 
   ref::ForwardInputs<double> hi_in = rc.in;
   auto high = ref::forward<double>(p, hi_in);
@@ -170,10 +284,10 @@ TEST_P(Sweep, ForwardMatchesOracle) {
 
 TEST_P(Sweep, BackwardThreeWay) {
   const SweepCase& c = GetParam();
-  auto rc = make_random_case(c.opt, 99);
+  auto rc = make_random_case(c.options(), c.backward_seed);
   round_io_inputs(rc.in, c.io);
   const ref::Problem& p = rc.problem;
-  const BackwardData bd = make_backward_data(p, rc.in, c.io, 7);
+  const BackwardData bd = make_backward_data(p, rc.in, c.io, c.backward_data_seed);
 
   BackwardRun ours(p, rc.in, bd, c.io);
   const Status s = ours.run();

@@ -8,7 +8,6 @@
 namespace kvcomp::test {
 
 using ref::AccuracyResult;
-using ref::dtype_key;
 using ref::fp32_projection_accuracy;
 using ref::round_to_dtype;
 using ref::three_way_compare;

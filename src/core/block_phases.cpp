@@ -1,10 +1,9 @@
-#include "kernels/elementwise.hpp"
+#include "core/block_phases.hpp"
 
 #include <omp.h>
 
 #include <algorithm>
 
-#include "kernels/convert.hpp"
 #include "kernels/simd/kernels.hpp"
 
 namespace kvcomp::detail {
@@ -33,12 +32,6 @@ float* cache_slot(const ForwardBlockIo& io, std::int64_t batch, std::int64_t pos
 }
 
 }  // namespace
-
-std::size_t first_batch_ending_after(const BlockPlan& plan, std::int64_t row) {
-  auto it = std::partition_point(plan.batches.begin(), plan.batches.end(),
-                                 [row](const BatchSpan& s) { return s.base + s.len <= row; });
-  return static_cast<std::size_t>(it - plan.batches.begin());
-}
 
 void backward_blocks(const BlockPlan& plan, const BackwardBlockInputs& in, std::int64_t a, std::int64_t b,
                      float* dnew, std::int64_t ld_dnew, double* dape, bool npu_parity, int num_threads) {
@@ -186,21 +179,6 @@ std::size_t forward_scratch_bytes(const Dims& d) {
   const std::size_t bytes = static_cast<std::size_t>(cr * kSlice) * sizeof(double) +
                             2 * static_cast<std::size_t>(cr) * sizeof(const float*);
   return (bytes + 63) / 64 * 64;
-}
-
-void to_f32(const void* src, DType dt, float* dst, std::int64_t n) { simd_kernels().to_f32(src, dt, dst, n); }
-
-void rows_to_f32(const void* src, DType dt, std::int64_t rows, std::int64_t cols, float* dst, std::int64_t ld,
-                 int num_threads) {
-  const auto* bytes = static_cast<const unsigned char*>(src);
-  const std::size_t row_bytes = static_cast<std::size_t>(cols) * dtype_size(dt);
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (std::int64_t i = 0; i < rows; ++i)
-    to_f32(bytes + static_cast<std::size_t>(i) * row_bytes, dt, dst + i * ld, cols);
-}
-
-void from_f32(const float* src, void* dst, DType dt, std::int64_t n) {
-  simd_kernels().from_f32(src, dst, dt, n);
 }
 
 }  // namespace kvcomp::detail

@@ -1,6 +1,10 @@
-// The per-block element-wise phases, on one chunk of token rows [a, b).
+// The block phases of the two operators, on one chunk of token rows [a, b):
+// the operator logic between the GEMMs. They walk the batches and blocks of
+// the plan, write the state cache, assemble each block from cache rows and
+// fresh projections, and call the per-column kernels of kernels/simd
+// (softmax and reduction, slot gradients) on it.
 //
-// Both run parallel over column slices of D: every column is processed by
+// Both block walks run parallel over column slices of D: every column is processed by
 // one thread in a fixed (batch, block, slot) order, so results, including the
 // d_ape sums, are bitwise independent of the thread count; and for the
 // forward, cache reads and writes of one column happen in the spec's batch
@@ -19,9 +23,10 @@ struct BackwardBlockInputs {
   const float* kv = nullptr;             // [out_rows, coff*r, D]
 };
 
-// Fills dnew [b-a, 2C] (columns [0,C) d_new_kv, [C,2C) d_new_score; rows
-// without gradient are zero) and adds the chunk's dZ rows into dape [r, C]
-// (float64). npu_parity rounds dK / dZ to the io dtype (spec 6.1 step 7).
+// Writes the gradient cells of dnew [b-a, 2C] (columns [0,C) d_new_kv,
+// [C,2C) d_new_score) and adds the chunk's dZ rows into dape [r, C]
+// (float64); cells without gradient are not touched, so the caller zeroes
+// dnew first. npu_parity rounds dK / dZ to the io dtype (spec 6.1 step 7).
 void backward_blocks(const BlockPlan& plan, const BackwardBlockInputs& in, std::int64_t a, std::int64_t b,
                      float* dnew, std::int64_t ld_dnew, double* dape, bool npu_parity, int num_threads);
 
@@ -59,9 +64,5 @@ void add_ape(const BlockPlan& plan, const float* ape, float* proj, std::int64_t 
 // Cache writes of rows [a, b) and the blocks whose last row lies in [a, b).
 void forward_blocks(const BlockPlan& plan, const ForwardBlockIo& io, std::int64_t a, std::int64_t b,
                     int num_threads);
-
-// Index of the first batch whose rows reach past `row` (batches are in row
-// order); plan.batches.size() if none.
-std::size_t first_batch_ending_after(const BlockPlan& plan, std::int64_t row);
 
 }  // namespace kvcomp::detail
