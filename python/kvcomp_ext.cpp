@@ -83,14 +83,18 @@ kvcomp::Tensor view(const Array& a, const char* name, bool allow_strided_dim0 = 
   t.dtype = to_dtype(a.dtype(), name);
   t.rank = static_cast<int>(a.ndim());
   // Size-1 dimensions may carry any stride (PyTorch leaves them arbitrary),
-  // so only dimensions longer than one are checked.
+  // so only dimensions longer than one are checked; an empty array has no
+  // element to reach, so none of its strides matters (the core then judges
+  // its shape, e.g. cmp_kv of width 0 because coff = 0).
+  bool empty = false;
+  for (std::size_t i = 0; i < a.ndim(); ++i) empty = empty || a.shape(i) == 0;
   std::int64_t expected = 1;
   for (int i = t.rank - 1; i >= 0; --i) {
     const auto ui = static_cast<std::size_t>(i);
     const auto extent = static_cast<std::int64_t>(a.shape(ui));
     t.shape[ui] = extent;
     const bool strided_ok = allow_strided_dim0 && i == 0;
-    if (extent > 1 && a.stride(ui) != expected && !strided_ok) {
+    if (!empty && extent > 1 && a.stride(ui) != expected && !strided_ok) {
       fail(kvcomp::StatusCode::invalid_param, std::string("[kvcomp] ") + name + " (= stride " +
                                                   std::to_string(a.stride(ui)) + " in dim " +
                                                   std::to_string(i) + ") must be row-major contiguous");

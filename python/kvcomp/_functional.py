@@ -104,6 +104,8 @@ def _inout(a, name):
         raise KvcompError(
             INVALID_PARAM, f"[kvcomp] {name} (= {type(a).__name__}) must be a torch tensor or numpy array"
         )
+    if not a.flags.writeable:
+        raise KvcompError(INVALID_PARAM, f"[kvcomp] {name} (= a read-only array) must be writable")
     return a
 
 
