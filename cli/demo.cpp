@@ -306,10 +306,10 @@ DemoCase make_data(const DemoOptions& o, int threads) {
   std::printf("shapes:\n");
   std::printf("  %-16s %-22s %s\n", "x, d_x", dims({1, S, H}).c_str(), "bf16");
   std::printf("  %-16s %-22s %s\n", "wkv, wgate (+d_)", dims({C, H}).c_str(), "bf16");
-  std::printf("  %-16s %-22s %s\n", "ape, d_ape", dims({r, C}).c_str(), "f32");
-  std::printf("  %-16s %-22s %s\n", "state_cache", dims(dc.cache0.shape).c_str(), "f32");
+  std::printf("  %-16s %-22s %s\n", "ape, d_ape", dims({r, C}).c_str(), "fp32");
+  std::printf("  %-16s %-22s %s\n", "state_cache", dims(dc.cache0.shape).c_str(), "fp32");
   std::printf("  %-16s %-22s %s\n", "cmp_kv, d_cmp_kv", dims({1, dc.rows, D}).c_str(), "bf16");
-  std::printf("  %-16s %-22s %s\n", "softmax_score, kv", dims(full.score.shape).c_str(), "f32");
+  std::printf("  %-16s %-22s %s\n", "softmax_score, kv", dims(full.score.shape).c_str(), "fp32");
   return dc;
 }
 
@@ -491,7 +491,7 @@ bool compare(const DemoCase& dc, const Goldens& g) {
 // Step 5: the legend and the verdict; the exit code.
 int report(bool all_pass) {
   std::printf(
-      "\nMARE = max relative error over |C| >= 2e-8 (bf16) / 2e-14 (f32); pass: MARE_A < 10*MARE_B, "
+      "\nMARE = max relative error over |C| >= 2e-8 (bf16) / 2e-14 (fp32); pass: MARE_A < 10*MARE_B, "
       "MERE_A < 2*MERE_B, RMSE_A < 2*RMSE_B\n");
   std::printf(
       "fp32-projection bound (cmp_kv, kv: as accurate as the fp32 projection, like the NPU): within one io "

@@ -66,9 +66,10 @@ void add_case_options(CLI::App* cmd, CaseOptions& o, std::string& out_dtype, std
   cmd->add_option("--out", o.out_dir, "Directory for the outputs (created if missing)")
       ->required()
       ->type_name("DIR");
-  cmd->add_option("--out-dtype", out_dtype, "f32: every output as float32; io: io-dtype outputs as stored")
-      ->check(CLI::IsMember({"f32", "io"}))
-      ->default_val("f32");
+  // "f32" is the spelling of releases before 0.1.x's naming clean-up; still accepted.
+  cmd->add_option("--out-dtype", out_dtype, "fp32: every output as float32; io: io-dtype outputs as stored")
+      ->check(CLI::IsMember({"fp32", "io", "f32"}))
+      ->default_val("fp32");
   cmd->add_option("--profile", profile,
                   "extended: any D, H >= 1, 1 <= cmp_ratio <= 1024; aclnn: exactly the Ascend ranges")
       ->check(CLI::IsMember({"extended", "aclnn"}))

@@ -74,7 +74,7 @@ extern "C" aclnnStatus aclnnCompressorGetWorkspaceSize(
         if (t->dtype != kvcomp::DType::f32 || (t->rank != 3 && t->rank != 4))
           return fail(ACLNN_ERR_PARAM_INVALID, std::string(name) + " (dtype " + kvcomp::dtype_name(t->dtype) +
                                                    ", rank " + std::to_string(t->rank) +
-                                                   ") must have dtype f32 and rank 3 or 4");
+                                                   ") must have dtype fp32 and rank 3 or 4");
     }
     a.cmp_ratio = cmpRatio;
     a.coff = coff;

@@ -137,7 +137,7 @@ TEST(AclnnForward, GradDisabledLeavesSavedOutputsAlone) {
   c.args[10] = flat.get();
   std::uint64_t size;
   aclOpExecutor* ex;
-  expect_failure(c.plan(&size, &ex), ACLNN_ERR_PARAM_INVALID, "softmax_score (dtype f32, rank 2)");
+  expect_failure(c.plan(&size, &ex), ACLNN_ERR_PARAM_INVALID, "softmax_score (dtype fp32, rank 2)");
 }
 
 // B = S = T = 0: accepted, nothing computed, the state cache untouched.
@@ -231,7 +231,7 @@ TEST(AclnnGrad, WrongDtype) {
     GradCase c;
     HostTensor x(c.x.shape(), ACL_FLOAT);  // fp32 io: only the C++ API's extended profile takes it
     c.args[0] = x.get();
-    expect_failure(c.plan(&size, &ex), ACLNN_ERR_PARAM_INVALID, "x (dtype f32) must be bf16 or fp16");
+    expect_failure(c.plan(&size, &ex), ACLNN_ERR_PARAM_INVALID, "x (dtype fp32) must be bf16 or fp16");
   }
   {
     GradCase c;

@@ -27,7 +27,7 @@ std::size_t dtype_size(DType dt) {
 const char* dtype_name(DType dt) {
   switch (dt) {
     case DType::f32:
-      return "f32";
+      return "fp32";
     case DType::f16:
       return "fp16";
     case DType::bf16:

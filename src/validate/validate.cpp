@@ -103,7 +103,7 @@ Status validate_sequence(const SequenceArgs& a, const Options& o, bool forward, 
   const Layout layout = a.x.rank == 3 ? Layout::bsh : Layout::th;
   if (!is_io_dtype(a.x.dtype, o))
     return invalid(std::string("x (dtype ") + dtype_name(a.x.dtype) + ") must be bf16 or fp16" +
-                   (o.profile == Profile::extended ? " (or f32)" : " under the aclnn profile"));
+                   (o.profile == Profile::extended ? " (or fp32)" : " under the aclnn profile"));
   if (auto s = check_rank_dtype("x", a.x, a.x.dtype, a.x.rank); !s.ok()) return s;
   if (auto s = check_rank_dtype("wkv", a.wkv, a.x.dtype, 2); !s.ok()) return s;
   if (auto s = check_rank_dtype("wgate", a.wgate, a.x.dtype, 2); !s.ok()) return s;
