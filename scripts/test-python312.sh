@@ -3,18 +3,23 @@
 # clean Python 3.12 venv, with the Python stack of the GPU machine (torch 2.11.0, numpy 2.5.2; torch
 # from PyPI is the CUDA 13.0 build, about 4.7 GB in the venv, which runs on the CPU here), then the
 # whole Python test suite against that install, then `pip uninstall` (tests/python/pip_install_check.py).
-# The interpreter: $KVCOMP_PYTHON312, else python3.12 on PATH, else pyenv's newest 3.12.
+# The interpreter: $KVCOMP_PYTHON312, else pyenv's newest 3.12, else python3.12 on PATH.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-py=${KVCOMP_PYTHON312:-}
+# Candidates in order; the first that runs and is 3.12 is taken (pyenv's shim named python3.12 is on
+# PATH even when 3.12 is not the selected version, and then refuses to run: hence the check).
+candidates=()
+[ -n "${KVCOMP_PYTHON312:-}" ] && candidates+=("$KVCOMP_PYTHON312")
+if command -v pyenv >/dev/null 2>&1; then
+  while read -r v; do candidates+=("$(pyenv root)/versions/$v/bin/python3.12"); done \
+    < <(pyenv versions --bare 2>/dev/null | grep -E '^3\.12\.[0-9]+$' | sort -rV)
+fi
+command -v python3.12 >/dev/null 2>&1 && candidates+=("$(command -v python3.12)")
+py=
+for c in "${candidates[@]}"; do
+  if "$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; then py=$c; break; fi
+done
 if [ -z "$py" ]; then
-  py=$(command -v python3.12 || true)
-fi
-if [ -z "$py" ] && command -v pyenv >/dev/null 2>&1; then
-  v=$(pyenv versions --bare | grep -E '^3\.12\.[0-9]+$' | sort -V | tail -1 || true)
-  [ -n "$v" ] && py="$(pyenv root)/versions/$v/bin/python3.12"
-fi
-if [ -z "$py" ] || ! "$py" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
   echo "[kvcomp] Python 3.12 run SKIPPED: no Python 3.12 interpreter (set KVCOMP_PYTHON312)" >&2
   exit 0
 fi
