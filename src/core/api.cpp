@@ -6,8 +6,8 @@
 #include <memory>
 #include <new>
 
-#include "core/ops.hpp"
-#include "kernels/isa.hpp"
+#include "cpu/backend.hpp"
+#include "cpu/isa.hpp"
 #include "kvcomp/kvcomp.hpp"
 #include "kvcomp/version.hpp"
 #include "validate/validate.hpp"

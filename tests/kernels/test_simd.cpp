@@ -1,4 +1,4 @@
-// The run-time dispatched element-wise kernels (src/kernels/simd): every
+// The run-time dispatched element-wise kernels (src/cpu/simd): every
 // variant this CPU can run is checked against plain references (kvcomp/half.hpp
 // for the conversions, std::exp softmax in float64) and against the scalar
 // variant bitwise. The operator-level suites also run once per ISA cap
@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "kernels/isa.hpp"
-#include "kernels/simd/kernels.hpp"
+#include "cpu/isa.hpp"
+#include "cpu/simd/kernels.hpp"
 #include "kvcomp/half.hpp"
 
 namespace kvcomp::detail {

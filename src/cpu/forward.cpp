@@ -1,10 +1,10 @@
 #include <algorithm>
 #include <cstring>
 
-#include "core/block_phases.hpp"
-#include "core/ops.hpp"
-#include "kernels/convert.hpp"
-#include "kernels/gemm.hpp"
+#include "cpu/block_phases.hpp"
+#include "cpu/backend.hpp"
+#include "cpu/convert.hpp"
+#include "cpu/gemm.hpp"
 
 namespace kvcomp::detail {
 

@@ -1,4 +1,4 @@
-#include "kernels/gemm.hpp"
+#include "cpu/gemm.hpp"
 
 #include <omp.h>
 #include <oneapi/dnnl/dnnl.h>

@@ -10,7 +10,7 @@
 
 #include <cstdint>
 
-#include "kernels/isa.hpp"
+#include "cpu/isa.hpp"
 #include "kvcomp/kvcomp.hpp"
 
 namespace kvcomp::detail {

@@ -2,10 +2,10 @@
 #include <cstring>
 #include <vector>
 
-#include "core/block_phases.hpp"
-#include "core/ops.hpp"
-#include "kernels/convert.hpp"
-#include "kernels/gemm.hpp"
+#include "cpu/block_phases.hpp"
+#include "cpu/backend.hpp"
+#include "cpu/convert.hpp"
+#include "cpu/gemm.hpp"
 
 namespace kvcomp::detail {
 

@@ -1,10 +1,10 @@
-#include "core/block_phases.hpp"
+#include "cpu/block_phases.hpp"
 
 #include <omp.h>
 
 #include <algorithm>
 
-#include "kernels/simd/kernels.hpp"
+#include "cpu/simd/kernels.hpp"
 
 namespace kvcomp::detail {
 

@@ -1,7 +1,7 @@
 // The block phases of the two operators, on one chunk of token rows [a, b):
 // the operator logic between the GEMMs. They walk the batches and blocks of
 // the plan, write the state cache, assemble each block from cache rows and
-// fresh projections, and call the per-column kernels of kernels/simd
+// fresh projections, and call the per-column kernels of cpu/simd
 // (softmax and reduction, slot gradients) on it.
 //
 // Both block walks run parallel over column slices of D: every column is processed by

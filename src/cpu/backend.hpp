@@ -1,10 +1,13 @@
-// The two operator drivers: chunked over token rows, GEMMs through
-// kernels/gemm, the block phases (cache writes, block assembly, the walk over
-// batches) through core/block_phases, io conversions through kernels/convert.
+// The CPU backend as core/api.cpp sees it: its workspace sizes and the two
+// operator drivers (cpu/forward.cpp, cpu/backward.cpp), chunked over token
+// rows, GEMMs through cpu/gemm, the block phases (cache writes, block
+// assembly, the walk over batches) through cpu/block_phases, io conversions
+// through cpu/convert.
 #pragma once
 
 #include <cstddef>
 
+#include "core/workspace.hpp"
 #include "kvcomp/kvcomp.hpp"
 #include "plan/block_plan.hpp"
 
@@ -28,28 +31,5 @@ std::size_t backward_workspace_size(const Dims& d, int num_threads);
 Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threads, void* workspace);
 Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision precision, int num_threads,
                     void* workspace);
-
-// Carves a workspace into 64-byte aligned arrays; the same code sizes and
-// places them, so the two never disagree.
-class WorkspaceLayout {
- public:
-  explicit WorkspaceLayout(void* base = nullptr) : base_(static_cast<unsigned char*>(base)) {}
-  template <typename T>
-  T* take(std::int64_t count) {
-    const std::size_t at = offset_;
-    offset_ += (static_cast<std::size_t>(count) * sizeof(T) + 63) / 64 * 64;
-    return base_ ? reinterpret_cast<T*>(base_ + at) : nullptr;
-  }
-  std::size_t size() const { return offset_ + 64; }  // + slack to align an unaligned base
-
-  static void* align(void* p) {
-    auto v = reinterpret_cast<std::uintptr_t>(p);
-    return reinterpret_cast<void*>((v + 63) / 64 * 64);
-  }
-
- private:
-  unsigned char* base_;
-  std::size_t offset_ = 0;
-};
 
 }  // namespace kvcomp::detail

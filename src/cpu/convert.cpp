@@ -1,6 +1,6 @@
-#include "kernels/convert.hpp"
+#include "cpu/convert.hpp"
 
-#include "kernels/simd/kernels.hpp"
+#include "cpu/simd/kernels.hpp"
 
 namespace kvcomp::detail {
 

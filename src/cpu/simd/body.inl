@@ -16,7 +16,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "kernels/simd/kernels.hpp"
+#include "cpu/simd/kernels.hpp"
 
 namespace kvcomp::detail::KVCOMP_SIMD_NS {
 namespace {

@@ -1,3 +1,3 @@
 // The scalar variant of the element-wise kernels (flags in src/CMakeLists.txt).
 #define KVCOMP_SIMD_NS scalar
-#include "kernels/simd/body.inl"
+#include "cpu/simd/body.inl"

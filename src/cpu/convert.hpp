@@ -1,5 +1,5 @@
 // Conversions between the io dtypes and fp32 (round to nearest even), through
-// the run-time dispatched kernels of kernels/simd.
+// the run-time dispatched kernels of cpu/simd.
 #pragma once
 
 #include <cstdint>

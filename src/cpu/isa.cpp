@@ -1,4 +1,4 @@
-#include "kernels/isa.hpp"
+#include "cpu/isa.hpp"
 
 #include <algorithm>
 #include <cstdio>

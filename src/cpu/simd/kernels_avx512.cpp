@@ -1,3 +1,3 @@
 // The avx512 variant of the element-wise kernels (flags in src/CMakeLists.txt).
 #define KVCOMP_SIMD_NS avx512
-#include "kernels/simd/body.inl"
+#include "cpu/simd/body.inl"

@@ -1,4 +1,4 @@
-#include "kernels/simd/kernels.hpp"
+#include "cpu/simd/kernels.hpp"
 
 namespace kvcomp::detail {
 
