@@ -49,12 +49,24 @@ struct Status {
 
 constexpr int kMaxRank = 4;
 
+// Where a tensor's memory is: host memory (cpu) or one CUDA device. All the
+// tensors of a call must be on the same device; the call runs there.
+enum class DeviceType : int { cpu = 0, cuda = 1 };
+struct Device {
+  DeviceType type = DeviceType::cpu;
+  int index = 0;  // the CUDA device ordinal; 0 for cpu
+  friend bool operator==(const Device&, const Device&) = default;
+};
+// "cpu" or "cuda:<index>".
+KVCOMP_API std::string device_name(const Device& d);
+
 // A non-owning view of a contiguous row-major tensor.
 struct Tensor {
   void* data = nullptr;
   DType dtype = DType::f32;
   int rank = 0;
   std::array<std::int64_t, kMaxRank> shape{};
+  Device device{};  // host memory unless set
 
   Tensor() = default;
   KVCOMP_API Tensor(void* ptr, DType dt, std::initializer_list<std::int64_t> dims);
@@ -77,6 +89,9 @@ struct Options {
   Profile profile = Profile::extended;
   Precision precision = Precision::precise;
   int num_threads = 0;  // 0: OpenMP default. Results never depend on this.
+  // CUDA tensors: the cudaStream_t the call is queued on (nullptr: the
+  // default stream). Unused for host tensors.
+  void* stream = nullptr;
 };
 
 // What both operators take: the token matrix, the two projections and the
@@ -168,6 +183,11 @@ KVCOMP_API void release_cached_workspace();
 // "avx512", "avx2" or "scalar" (the best the CPU has, capped by the
 // environment variable KVCOMP_ISA; chosen once). Outputs do not depend on it.
 KVCOMP_API const char* kernel_isa();
+
+// Whether this build has the CUDA backend (configured with KVCOMP_CUDA), and
+// how many CUDA devices it sees (0 without the backend, a driver or a GPU).
+KVCOMP_API bool has_cuda_backend();
+KVCOMP_API int cuda_device_count();
 
 // Output row count of cmp_kv / d_cmp_kv for a layout: BSH ceil(S/r) per
 // batch, TH min(T, T/r + B). Useful to size outputs.

@@ -59,6 +59,15 @@ std::int64_t Tensor::numel() const {
   return n;
 }
 
+std::string device_name(const Device& d) {
+  return d.type == DeviceType::cpu ? std::string("cpu") : "cuda:" + std::to_string(d.index);
+}
+
+#ifndef KVCOMP_HAVE_CUDA
+bool has_cuda_backend() { return false; }
+int cuda_device_count() { return 0; }
+#endif
+
 std::int64_t compressed_rows_bsh(std::int64_t S, std::int64_t r) { return r > 0 ? (S + r - 1) / r : 0; }
 std::int64_t compressed_rows_th(std::int64_t T, std::int64_t B, std::int64_t r) {
   return r > 0 ? std::min(T, T / r + B) : 0;

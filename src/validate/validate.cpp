@@ -4,6 +4,7 @@
 #include <limits>
 #include <sstream>
 #include <string>
+#include <vector>
 
 namespace kvcomp::detail {
 
@@ -70,6 +71,48 @@ Status check_rank_dtype(const char* name, const Tensor& t, DType dt, int rank) {
 Status check_present(const char* name, const Tensor& t, bool allow_empty_null = false) {
   if (t.data == nullptr && !(allow_empty_null && t.numel() == 0)) return null_ptr(name);
   return Status::success();
+}
+
+using Named = std::pair<const char*, const Tensor*>;
+
+// All tensors of a call live on one device, that of x; the call runs there.
+// Checked before any tensor's data is read (the data checks read the index
+// tensors through host pointers). A device this build cannot run on is
+// refused here too.
+Status check_devices(const std::vector<Named>& tensors) {
+  const Device home = tensors.front().second->device;
+  for (const auto& [name, t] : tensors) {
+    if (t->device == home) continue;
+    const bool host_mix = (t->device.type == DeviceType::cpu) != (home.type == DeviceType::cpu);
+    return invalid(std::string(name) + " (= " + (t->device.type == DeviceType::cpu ? "host memory" : "on ") +
+                   (t->device.type == DeviceType::cpu ? "" : device_name(t->device)) +
+                   ") must be on the same device as x (" + device_name(home) + ")" +
+                   (host_mix ? ": a call's tensors are all in host memory or all on one CUDA device" : ""));
+  }
+  if (home.type == DeviceType::cuda) {
+#ifdef KVCOMP_HAVE_CUDA
+    return invalid("x (= on " + device_name(home) +
+                   ") must be in host memory: the CUDA backend of this build runs no operator yet");
+#else
+    return invalid("x (= on " + device_name(home) +
+                   ") must be in host memory: this build of kvcomp has no CUDA backend (configure it with "
+                   "-DKVCOMP_CUDA=ON and a CUDA 13 toolkit)");
+#endif
+  }
+  if (home.type != DeviceType::cpu)
+    return invalid("x (= device type " + std::to_string(static_cast<int>(home.type)) + ") must be cpu or cuda");
+  return Status::success();
+}
+
+void add_optional(std::vector<Named>& v, const char* name, const std::optional<Tensor>& t) {
+  if (t) v.emplace_back(name, &*t);
+}
+
+void add_sequence(std::vector<Named>& v, const SequenceArgs& a) {
+  v.insert(v.end(), {{"x", &a.x}, {"wkv", &a.wkv}, {"wgate", &a.wgate}});
+  add_optional(v, "cu_seqlens", a.cu_seqlens);
+  add_optional(v, "seqused", a.seqused);
+  add_optional(v, "start_pos", a.start_pos);
 }
 
 Status check_optional_int(const char* name, const std::optional<Tensor>& t, std::int64_t len) {
@@ -241,6 +284,13 @@ Status validate_forward(const ForwardArgs& a, const Options& o, BlockPlan* plan)
     if (auto s = check_present("softmax_score", a.softmax_score, true); !s.ok()) return s;
     if (auto s = check_present("kv", a.kv, true); !s.ok()) return s;
   }
+  std::vector<Named> on_device;
+  add_sequence(on_device, a);
+  on_device.insert(on_device.end(), {{"state_cache", &a.state_cache}, {"ape", &a.ape}, {"cmp_kv", &a.cmp_kv}});
+  add_optional(on_device, "state_block_table", a.state_block_table);
+  if (a.grad_enabled || a.softmax_score.data) on_device.emplace_back("softmax_score", &a.softmax_score);
+  if (a.grad_enabled || a.kv.data) on_device.emplace_back("kv", &a.kv);
+  if (auto s = check_devices(on_device); !s.ok()) return s;
   Dims d;
   if (auto s = validate_sequence(a, o, true, &d); !s.ok()) return s;
   if (auto s = check_rank_dtype("state_cache", a.state_cache, DType::f32, 3); !s.ok()) return s;
@@ -313,6 +363,10 @@ Status validate_backward(const BackwardArgs& a, const Options& o, BlockPlan* pla
   // (561002) below, not as a null pointer.
   for (const auto& [name, t] : required)
     if (auto s = check_present(name, *t, true); !s.ok()) return s;
+  std::vector<Named> on_device;
+  add_sequence(on_device, a);
+  on_device.insert(on_device.end(), std::begin(required), std::end(required));
+  if (auto s = check_devices(on_device); !s.ok()) return s;
   Dims d;
   if (auto s = validate_sequence(a, o, false, &d); !s.ok()) return s;
   if (auto s = check_rank_dtype("d_cmp_kv", a.d_cmp_kv, d.io, a.x.rank); !s.ok()) return s;
