@@ -22,7 +22,7 @@ unshare -m bash -euo pipefail -c '
   mount --bind "$work/empty" /usr/lib/x86_64-linux-gnu/cmake/dnnl  # only in this namespace
   unset LD_LIBRARY_PATH
   cmake -S . -B "$work/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVCOMP_BUILD_PYTHON=OFF \
-    -DCMAKE_PREFIX_PATH="$work/prefix/usr" >/dev/null
+    -DCMAKE_PREFIX_PATH="$work/prefix/usr" -DKVCOMP_CUDA=OFF >/dev/null
   grep -q "^dnnl_DIR:PATH=$work/prefix/" "$work/build/CMakeCache.txt" || { echo "oneDNN not taken from the prefix"; exit 1; }
   cmake --build "$work/build" --parallel "$(nproc)" --target kvcomp kvcomp_aclnn kvcomp_cli kvcomp_expected_output
   ctest --test-dir "$work/build" --output-on-failure -R "^example\.downstream_build$"

@@ -5,6 +5,7 @@ cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
 bash scripts/install-torch.sh
 bash scripts/install-python-deps.sh
+bash scripts/install-cuda.sh
 bash scripts/build.sh
 bash scripts/check-deps.sh
 ctest --test-dir build --output-on-failure --parallel "$(nproc)" --timeout 900

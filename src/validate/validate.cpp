@@ -100,7 +100,8 @@ Status check_devices(const std::vector<Named>& tensors) {
 #endif
   }
   if (home.type != DeviceType::cpu)
-    return invalid("x (= device type " + std::to_string(static_cast<int>(home.type)) + ") must be cpu or cuda");
+    return invalid("x (= device type " + std::to_string(static_cast<int>(home.type)) +
+                   ") must be cpu or cuda");
   return Status::success();
 }
 
@@ -286,7 +287,8 @@ Status validate_forward(const ForwardArgs& a, const Options& o, BlockPlan* plan)
   }
   std::vector<Named> on_device;
   add_sequence(on_device, a);
-  on_device.insert(on_device.end(), {{"state_cache", &a.state_cache}, {"ape", &a.ape}, {"cmp_kv", &a.cmp_kv}});
+  on_device.insert(on_device.end(),
+                   {{"state_cache", &a.state_cache}, {"ape", &a.ape}, {"cmp_kv", &a.cmp_kv}});
   add_optional(on_device, "state_block_table", a.state_block_table);
   if (a.grad_enabled || a.softmax_score.data) on_device.emplace_back("softmax_score", &a.softmax_score);
   if (a.grad_enabled || a.kv.data) on_device.emplace_back("kv", &a.kv);

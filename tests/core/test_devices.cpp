@@ -46,8 +46,9 @@ const std::string kMix = ": a call's tensors are all in host memory or all on on
 
 std::string no_backend(const char* dev) {
   return has_cuda_backend()
-             ? std::string("x (= on ") + dev + ") must be in host memory: the CUDA backend of this build runs no "
-                                               "operator yet"
+             ? std::string("x (= on ") + dev +
+                   ") must be in host memory: the CUDA backend of this build runs no "
+                   "operator yet"
              : std::string("x (= on ") + dev +
                    ") must be in host memory: this build of kvcomp has no CUDA backend (configure it with "
                    "-DKVCOMP_CUDA=ON and a CUDA 13 toolkit)";
@@ -84,8 +85,8 @@ struct Backward {
   }
   BackwardArgs on(Device d) {
     BackwardArgs a = run->args;
-    for (Tensor* t : {&a.x, &a.wkv, &a.wgate, &a.d_cmp_kv, &a.softmax_score, &a.kv, &a.d_x, &a.d_wkv, &a.d_wgate,
-                      &a.d_ape})
+    for (Tensor* t : {&a.x, &a.wkv, &a.wgate, &a.d_cmp_kv, &a.softmax_score, &a.kv, &a.d_x, &a.d_wkv,
+                      &a.d_wgate, &a.d_ape})
       to_device(*t, d);
     to_device(a.cu_seqlens, d);
     to_device(a.seqused, d);
@@ -105,14 +106,16 @@ TEST(Devices, HostTensorInADeviceCallIsRefusedBeforeAnyRead) {
   ForwardArgs a = f.on(kCuda0);
   a.state_cache = f.run->args.state_cache;  // real host memory
   const auto cache_before = f.run->cache.f32;
-  expect_invalid(compressor_forward(a), "state_cache (= host memory) must be on the same device as x (cuda:0)" + kMix);
+  expect_invalid(compressor_forward(a),
+                 "state_cache (= host memory) must be on the same device as x (cuda:0)" + kMix);
   EXPECT_EQ(f.run->cache.f32, cache_before);
 
   Backward b;
   BackwardArgs g = b.on(kCuda0);
   g.d_ape = b.run->args.d_ape;
   BackwardPlan plan;
-  expect_invalid(plan_backward(g, {}, &plan), "d_ape (= host memory) must be on the same device as x (cuda:0)" + kMix);
+  expect_invalid(plan_backward(g, {}, &plan),
+                 "d_ape (= host memory) must be on the same device as x (cuda:0)" + kMix);
 }
 
 TEST(Devices, DeviceTensorInAHostCallIsRefusedBeforeAnyRead) {
@@ -121,7 +124,8 @@ TEST(Devices, DeviceTensorInAHostCallIsRefusedBeforeAnyRead) {
   to_device(a.start_pos, kCuda0);  // an index tensor: the data checks would read it first
   const auto cache_before = f.run->cache.f32;
   const auto out_before = f.run->cmp_kv.half;
-  expect_invalid(compressor_forward(a), "start_pos (= on cuda:0) must be on the same device as x (cpu)" + kMix);
+  expect_invalid(compressor_forward(a),
+                 "start_pos (= on cuda:0) must be on the same device as x (cpu)" + kMix);
   EXPECT_EQ(f.run->cache.f32, cache_before);
   EXPECT_EQ(f.run->cmp_kv.half, out_before);
 
