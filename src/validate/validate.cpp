@@ -365,9 +365,13 @@ Status validate_backward(const BackwardArgs& a, const Options& o, BlockPlan* pla
   // (561002) below, not as a null pointer.
   for (const auto& [name, t] : required)
     if (auto s = check_present(name, *t, true); !s.ok()) return s;
-  std::vector<Named> on_device;
-  add_sequence(on_device, a);
-  on_device.insert(on_device.end(), std::begin(required), std::end(required));
+  // The backward's every tensor but the optional index ones: all on one device, none empty.
+  std::vector<Named> non_empty = {{"x", &a.x}, {"wkv", &a.wkv}, {"wgate", &a.wgate}};
+  non_empty.insert(non_empty.end(), std::begin(required), std::end(required));
+  std::vector<Named> on_device = non_empty;
+  add_optional(on_device, "cu_seqlens", a.cu_seqlens);
+  add_optional(on_device, "seqused", a.seqused);
+  add_optional(on_device, "start_pos", a.start_pos);
   if (auto s = check_devices(on_device); !s.ok()) return s;
   Dims d;
   if (auto s = validate_sequence(a, o, false, &d); !s.ok()) return s;
@@ -379,16 +383,6 @@ Status validate_backward(const BackwardArgs& a, const Options& o, BlockPlan* pla
   if (auto s = check_rank_dtype("d_wkv", a.d_wkv, d.io, 2); !s.ok()) return s;
   if (auto s = check_rank_dtype("d_wgate", a.d_wgate, d.io, 2); !s.ok()) return s;
   if (auto s = check_rank_dtype("d_ape", a.d_ape, DType::f32, 2); !s.ok()) return s;
-  const std::pair<const char*, const Tensor*> non_empty[] = {{"x", &a.x},
-                                                             {"wkv", &a.wkv},
-                                                             {"wgate", &a.wgate},
-                                                             {"d_cmp_kv", &a.d_cmp_kv},
-                                                             {"softmax_score", &a.softmax_score},
-                                                             {"kv", &a.kv},
-                                                             {"d_x", &a.d_x},
-                                                             {"d_wkv", &a.d_wkv},
-                                                             {"d_wgate", &a.d_wgate},
-                                                             {"d_ape", &a.d_ape}};
   for (const auto& [name, t] : non_empty)
     if (t->numel() == 0)
       return shape(std::string(name) + " (shape " + shape_str(*t) +

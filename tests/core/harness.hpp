@@ -20,6 +20,22 @@
 
 namespace kvcomp::test {
 
+// The small case of the rule tests (validation, devices): 2 batches of 8 tokens, H 16, D 4, coff 2,
+// r 4, start positions up to 6, no empty TH segment.
+inline RandomOptions small_rule_options(bool th) {
+  RandomOptions o;
+  o.th = th;
+  o.B = 2;
+  o.S = 8;
+  o.H = 16;
+  o.D = 4;
+  o.coff = 2;
+  o.r = 4;
+  o.max_start_pos = 6;
+  o.allow_empty_segments = false;
+  return o;
+}
+
 // Typed storage for one tensor of the library call.
 struct Buffer {
   DType dtype = DType::f32;

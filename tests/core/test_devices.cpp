@@ -12,18 +12,7 @@
 namespace kvcomp::test {
 namespace {
 
-RandomOptions small() {
-  RandomOptions o;
-  o.B = 2;
-  o.S = 8;
-  o.H = 16;
-  o.D = 4;
-  o.coff = 2;
-  o.r = 4;
-  o.max_start_pos = 6;
-  o.allow_empty_segments = false;
-  return o;
-}
+RandomOptions small() { return small_rule_options(false); }
 
 constexpr Device kCuda0{DeviceType::cuda, 0};
 constexpr Device kCuda1{DeviceType::cuda, 1};

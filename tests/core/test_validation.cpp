@@ -15,19 +15,7 @@ constexpr StatusCode kNull = StatusCode::null_pointer;
 constexpr StatusCode kInvalid = StatusCode::invalid_param;
 constexpr StatusCode kShape = StatusCode::shape_error;
 
-RandomOptions small(bool th) {
-  RandomOptions o;
-  o.th = th;
-  o.B = 2;
-  o.S = 8;
-  o.H = 16;
-  o.D = 4;
-  o.coff = 2;
-  o.r = 4;
-  o.max_start_pos = 6;
-  o.allow_empty_segments = false;
-  return o;
-}
+RandomOptions small(bool th) { return small_rule_options(th); }
 
 struct BackwardFixture {
   RandomCase<double> rc;
