@@ -69,9 +69,16 @@ kvcomp::DType to_dtype(const nb::dlpack::dtype& dt, const char* name) {
 template <typename Array>
 kvcomp::Tensor view(const Array& a, const char* name, bool allow_strided_dim0 = false,
                     std::int64_t* stride0 = nullptr) {
-  if (a.device_type() != nb::device::cpu::value) {
+  // Host memory or one CUDA device; the core's device rule then checks that a
+  // call's tensors agree and that this build runs on that device. DLPack's
+  // CUDA host (pinned) memory is host memory.
+  kvcomp::Device device;
+  if (a.device_type() == nb::device::cuda::value) {
+    device = {kvcomp::DeviceType::cuda, static_cast<int>(a.device_id())};
+  } else if (a.device_type() != nb::device::cpu::value && a.device_type() != nb::device::cuda_host::value) {
     fail(kvcomp::StatusCode::invalid_param, std::string("[kvcomp] ") + name + " (= a tensor on device type " +
-                                                std::to_string(a.device_type()) + ") must be a CPU tensor");
+                                                std::to_string(a.device_type()) +
+                                                ") must be in host memory or on a CUDA device");
   }
   if (a.ndim() > static_cast<std::size_t>(kvcomp::kMaxRank)) {
     fail(kvcomp::StatusCode::invalid_param, std::string("[kvcomp] ") + name + " (= rank " +
@@ -79,6 +86,7 @@ kvcomp::Tensor view(const Array& a, const char* name, bool allow_strided_dim0 = 
                                                 std::to_string(kvcomp::kMaxRank));
   }
   kvcomp::Tensor t;
+  t.device = device;
   t.data = const_cast<void*>(static_cast<const void*>(a.data()));
   t.dtype = to_dtype(a.dtype(), name);
   t.rank = static_cast<int>(a.ndim());
@@ -269,6 +277,10 @@ NB_MODULE(_C, m) {
   m.def("version", &kvcomp::version, "Version of the C++ core.");
   m.def("kernel_isa", &kvcomp::kernel_isa,
         "Instruction set of the element-wise kernels: 'avx512', 'avx2' or 'scalar' (capped by KVCOMP_ISA).");
+  m.def("has_cuda_backend", &kvcomp::has_cuda_backend,
+        "Whether this build of the core has the CUDA backend (configured with KVCOMP_CUDA).");
+  m.def("cuda_device_count", &kvcomp::cuda_device_count,
+        "CUDA devices the core sees (0 without the backend, a driver or a GPU).");
   m.def("release_cached_workspace", &kvcomp::release_cached_workspace,
         "Frees the calling thread's workspace kept between calls.");
 }

@@ -26,6 +26,8 @@ from ._functional import (
 
 __version__ = _C.version()
 kernel_isa = _C.kernel_isa
+has_cuda_backend = _C.has_cuda_backend
+cuda_device_count = _C.cuda_device_count
 release_cached_workspace = _C.release_cached_workspace
 
 __all__ = [
@@ -33,7 +35,9 @@ __all__ = [
     "compressed_leading_shape",
     "compressor_forward",
     "compressor_grad",
+    "cuda_device_count",
     "get_default_options",
+    "has_cuda_backend",
     "kernel_isa",
     "release_cached_workspace",
     "set_default_options",

@@ -78,15 +78,22 @@ def _is_torch(a):
     return torch is not None and isinstance(a, torch.Tensor)
 
 
+def _check_device(a, name):
+    """Host memory or a CUDA device: the core checks that a call's tensors agree and that this build
+    runs there (a CUDA tensor is never copied to the host)."""
+    if a.device.type not in ("cpu", "cuda"):
+        raise KvcompError(
+            INVALID_PARAM,
+            f"[kvcomp] {name} (= a tensor on {a.device}) must be a CPU tensor or on a CUDA device; use .cpu()",
+        )
+
+
 def _in(a, name):
-    """An input view for the core: contiguous CPU memory, no copy when it already is."""
+    """An input view for the core: contiguous memory on its device, no copy when it already is."""
     if a is None:
         return None
     if _is_torch(a):
-        if a.device.type != "cpu":
-            raise KvcompError(
-                INVALID_PARAM, f"[kvcomp] {name} (= a tensor on {a.device}) must be a CPU tensor; use .cpu()"
-            )
+        _check_device(a, name)
         # DLPack refuses tensors that require grad; the core never records autograd history anyway.
         return a.detach().contiguous()
     return np.ascontiguousarray(a)
@@ -95,10 +102,7 @@ def _in(a, name):
 def _inout(a, name):
     """The state cache: written in place, so it is never copied (dim 0 may be strided)."""
     if _is_torch(a):
-        if a.device.type != "cpu":
-            raise KvcompError(
-                INVALID_PARAM, f"[kvcomp] {name} (= a tensor on {a.device}) must be a CPU tensor; use .cpu()"
-            )
+        _check_device(a, name)
         return a.detach()
     if not isinstance(a, np.ndarray):
         raise KvcompError(
@@ -113,7 +117,7 @@ def _empty(like, shape, fp32=False):
     """An uninitialised output of the same kind as `like` (the core writes every element)."""
     if _is_torch(like):
         torch = sys.modules["torch"]
-        return torch.empty(shape, dtype=torch.float32 if fp32 else like.dtype)
+        return torch.empty(shape, dtype=torch.float32 if fp32 else like.dtype, device=like.device)
     return np.empty(shape, dtype=np.float32 if fp32 else like.dtype)
 
 

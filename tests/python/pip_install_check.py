@@ -41,7 +41,8 @@ def run(cmd, **kw):
 
 def clean_env():
     env = dict(os.environ)
-    for k in ("PYTHONPATH", "PYTHONHOME", "KVCOMP_BUILD_DIR", "VIRTUAL_ENV"):
+    # KVCOMP_EXPECT_CUDA_BACKEND describes the ctest build, not what pip builds.
+    for k in ("PYTHONPATH", "PYTHONHOME", "KVCOMP_BUILD_DIR", "VIRTUAL_ENV", "KVCOMP_EXPECT_CUDA_BACKEND"):
         env.pop(k, None)
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"

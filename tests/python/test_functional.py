@@ -228,3 +228,36 @@ def test_options():
 
 def test_version():
     assert kvcomp.__version__.count(".") == 2
+
+
+def test_backend_report():
+    """What the extension says of the CUDA backend matches how the core was configured (ctest passes
+    KVCOMP_EXPECT_CUDA_BACKEND from CMake), and the device count matches torch's where torch sees GPUs."""
+    import os
+
+    expected = os.environ.get("KVCOMP_EXPECT_CUDA_BACKEND")
+    if expected is None:
+        pytest.skip("KVCOMP_EXPECT_CUDA_BACKEND is not set (ctest sets it)")
+    assert kvcomp.has_cuda_backend() is (expected == "1")
+    if kvcomp.has_cuda_backend() and torch.cuda.is_available():
+        assert kvcomp.cuda_device_count() == torch.cuda.device_count()
+    if not kvcomp.has_cuda_backend():
+        assert kvcomp.cuda_device_count() == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device for torch")
+def test_cuda_tensors_reach_the_device_rule():
+    """CUDA tensors are passed to the core as they are (never copied to the host); a mix with host
+    tensors, and a call this build cannot run on the device, are refused in the core's sentences."""
+    case = make_case(lens=[8], r=4, start_pos=[0], seed=11)
+    kw = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in case.kwargs().items()}
+    cache = case.state_cache.cuda()
+    with pytest.raises(kvcomp.KvcompError) as e:  # x on the GPU, the weights in host memory
+        kvcomp.compressor_forward(case.x.cuda(), case.wkv, case.wgate, cache, case.ape.cuda(), 4, **kw)
+    assert e.value.code == 161002 and "must be on the same device as x (cuda:0)" in e.value.message
+    if not kvcomp.has_cuda_backend():
+        with pytest.raises(kvcomp.KvcompError) as e:
+            kvcomp.compressor_forward(
+                case.x.cuda(), case.wkv.cuda(), case.wgate.cuda(), cache, case.ape.cuda(), 4, **kw
+            )
+        assert e.value.code == 161002 and "no CUDA backend" in e.value.message
