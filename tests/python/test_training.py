@@ -76,7 +76,14 @@ def _train(model, dtype):
 
 
 def test_training_smoke():
-    model = TinyCompressorLM(kt.compressor)
+    # Every initial value from a fixed seed (the embedding and the head draw from the global generator):
+    # run after other tests in one process, the global generator's state, hence the starting point,
+    # would depend on which tests ran before. fp32 and float64 trajectories drift apart at a rate that
+    # depends on that point (from seed 0 the largest deviation is 1.2% of the tolerance below; from
+    # some other starting points it exceeds it), so the start must not depend on test order.
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = TinyCompressorLM(kt.compressor)
     reference = copy.deepcopy(model)
     reference.compressor = _small_ops
     model, losses = _train(model, torch.float32)
