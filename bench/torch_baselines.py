@@ -212,24 +212,28 @@ def run_case(name, T, num_seqs, args, device, dtype, kt, notes):
     del out, grads
     res["eager_ms"] = time_ms(eager, device, args.warmup, args.repeat)
 
+    def measure(key, step):
+        """Checks a variant's output and gradients, compares it with eager, then times it. A failure
+        (inductor without a toolchain, a call kvcomp rejects, ...) is a note; the run goes on."""
+        try:
+            out, grads = step()
+            _check(f"{label} {key}", out, out_shape)
+            _check_grads(f"{label} {key}", grads)
+            res[f"{key}_max_abs_diff_vs_eager"] = float((out.detach().float() - ref).abs().max())
+            del out, grads
+            res[f"{key}_ms"] = time_ms(step, device, args.warmup, args.repeat)
+        except Exception as e:  # noqa: BLE001 -- reported, not fatal
+            first = (str(e).strip().splitlines() or [""])[0]
+            notes.append(f"{label}: {key} n/a ({type(e).__name__}: {first[:200]})")
+
     res["compiled_ms"] = None
     if args.no_compile:
         pass
     elif not hasattr(torch, "compile"):
         notes.append(f"{label}: compiled n/a (torch.compile unavailable in torch {torch.__version__})")
     else:
-        try:
-            torch._dynamo.reset()  # one graph per case: never hit the recompile limit
-            compiled = step_of(torch.compile(vectorised_forward, backend="inductor", dynamic=False))
-            out, grads = compiled()
-            _check(f"{label} compiled", out, out_shape)
-            _check_grads(f"{label} compiled", grads)
-            res["compiled_max_abs_diff_vs_eager"] = float((out.detach().float() - ref).abs().max())
-            del out, grads
-            res["compiled_ms"] = time_ms(compiled, device, args.warmup, args.repeat)
-        except Exception as e:  # noqa: BLE001 -- inductor needs a compiler toolchain, triton, ...: report, go on
-            msg = str(e).strip().splitlines()
-            notes.append(f"{label}: compiled n/a ({type(e).__name__}: {msg[0] if msg else ''})")
+        torch._dynamo.reset()  # one graph per case: never hit the recompile limit
+        measure("compiled", step_of(torch.compile(vectorised_forward, backend="inductor", dynamic=False)))
 
     res["kvcomp_ms"] = None
     if kt is not None:
@@ -244,16 +248,7 @@ def run_case(name, T, num_seqs, args, device, dtype, kt, notes):
                 x, wkv, wgate, state, ape, r, state_block_table=table, cu_seqlens=cu, coff=coff, cache_mode=1
             )
 
-        step = step_of(kvcomp_fwd)
-        try:
-            out, grads = step()
-            _check(f"{label} kvcomp", out, out_shape)
-            _check_grads(f"{label} kvcomp", grads)
-            res["kvcomp_max_abs_diff_vs_eager"] = float((out.detach().float() - ref).abs().max())
-            del out, grads
-            res["kvcomp_ms"] = time_ms(step, device, args.warmup, args.repeat)
-        except Exception as e:  # noqa: BLE001 -- a rejected call is reported, the run goes on
-            notes.append(f"{label}: kvcomp n/a ({type(e).__name__}: {str(e).strip()[:200]})")
+        measure("kvcomp", step_of(kvcomp_fwd))
 
     prod = res["products_fwd_ms"] + res["products_bwd_ms"]
     for k in ("eager", "compiled", "kvcomp"):
