@@ -80,24 +80,25 @@ using Named = std::pair<const char*, const Tensor*>;
 // tensors through host pointers). A device this build cannot run on is
 // refused here too.
 Status check_devices(const std::vector<Named>& tensors) {
+  const auto where = [](const Device& d) {
+    return d.type == DeviceType::cpu ? std::string("host memory") : "on " + device_name(d);
+  };
   const Device home = tensors.front().second->device;
   for (const auto& [name, t] : tensors) {
     if (t->device == home) continue;
     const bool host_mix = (t->device.type == DeviceType::cpu) != (home.type == DeviceType::cpu);
-    return invalid(std::string(name) + " (= " + (t->device.type == DeviceType::cpu ? "host memory" : "on ") +
-                   (t->device.type == DeviceType::cpu ? "" : device_name(t->device)) +
-                   ") must be on the same device as x (" + device_name(home) + ")" +
+    return invalid(std::string(name) + " (= " + where(t->device) + ") must be on the same device as x (" +
+                   device_name(home) + ")" +
                    (host_mix ? ": a call's tensors are all in host memory or all on one CUDA device" : ""));
   }
   if (home.type == DeviceType::cuda) {
 #ifdef KVCOMP_HAVE_CUDA
-    return invalid("x (= on " + device_name(home) +
-                   ") must be in host memory: the CUDA backend of this build runs no operator yet");
+    const char* why = "the CUDA backend of this build runs no operator yet";
 #else
-    return invalid("x (= on " + device_name(home) +
-                   ") must be in host memory: this build of kvcomp has no CUDA backend (configure it with "
-                   "-DKVCOMP_CUDA=ON and a CUDA 13 toolkit)");
+    const char* why =
+        "this build of kvcomp has no CUDA backend (configure it with -DKVCOMP_CUDA=ON and a CUDA 13 toolkit)";
 #endif
+    return invalid("x (= " + where(home) + ") must be in host memory: " + why);
   }
   if (home.type != DeviceType::cpu)
     return invalid("x (= device type " + std::to_string(static_cast<int>(home.type)) +
