@@ -94,8 +94,7 @@ kvcomp::Tensor view(const Array& a, const char* name, bool allow_strided_dim0 = 
   // so only dimensions longer than one are checked; an empty array has no
   // element to reach, so none of its strides matters (the core then judges
   // its shape, e.g. cmp_kv of width 0 because coff = 0).
-  bool empty = false;
-  for (std::size_t i = 0; i < a.ndim(); ++i) empty = empty || a.shape(i) == 0;
+  const bool empty = a.size() == 0;
   std::int64_t expected = 1;
   for (int i = t.rank - 1; i >= 0; --i) {
     const auto ui = static_cast<std::size_t>(i);
