@@ -16,8 +16,9 @@ files, static libraries, libX.so links) to be a listed one, a package those depe
 package every Debian system has (priority required). Files of no Debian package (pip's torch, pyenv's
 Python, the project itself) are not its business.
 
-Usage: check_deps.py BUILD_DIR [--without PKG ...] [-- cmake arguments for the watched configure]
-(--without PKG: check as if PKG were not listed, to show that the check can fail.)
+Usage: check_deps.py BUILD_DIR [--without PKG ...] [--self-check PKG] [-- cmake arguments of the configure]
+(--without PKG: check as if PKG were not listed; --self-check PKG: also require that PKG off the list is
+caught, from the same observation, so that a check gone blind fails.)
 """
 
 import argparse
@@ -150,20 +151,29 @@ def owners(paths):
     return found
 
 
+def foreign_packages(used, listed):
+    """The packages among `used` that neither the list nor every Debian system provides."""
+    allowed = allowed_packages(listed)
+    return {pkg: files for pkg, files in used.items() if pkg not in allowed}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("build_dir", help="a finished Ninja build of the project (its headers and link lines)")
     ap.add_argument("--without", action="append", default=[], metavar="PKG",
                     help="check as if PKG were not in scripts/debian-packages.txt")
-    ap.add_argument("cmake_args", nargs="*", help="arguments of the watched configure (after --)")
-    args = ap.parse_args()
+    ap.add_argument("--self-check", metavar="PKG",
+                    help="also require the same files to be refused with PKG off the list (the check is not blind)")
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = ap.parse_args(argv[:cut])
+    args.cmake_args = argv[cut + 1 :]  # the watched configure's arguments, after --
     for tool in ("strace", "dpkg-query", "apt-cache", "ninja"):
         if shutil.which(tool) is None:
             sys.exit(f"[kvcomp] check-deps: {tool} not found (scripts/install-deps.sh installs what it needs)")
     listed = [p for p in listed_packages() if p not in args.without]
-    allowed = allowed_packages(listed)
     used = owners(configure_files(args.cmake_args) | build_files(args.build_dir))
-    foreign = {pkg: files for pkg, files in used.items() if pkg not in allowed}
+    foreign = foreign_packages(used, listed)
     print(f"[kvcomp] check-deps: the build uses development files of {len(used)} Debian packages")
     if foreign:
         print("[kvcomp] check-deps: the build relies on Debian packages that scripts/install-deps.sh does not "
@@ -173,6 +183,12 @@ def main():
             print(f"  {pkg}: {', '.join(example)}", file=sys.stderr)
         return 1
     print("[kvcomp] check-deps: each is installed by scripts/install-deps.sh (or by every Debian system)")
+    if args.self_check:
+        if args.self_check not in foreign_packages(used, [p for p in listed if p != args.self_check]):
+            print(f"[kvcomp] check-deps: with {args.self_check} off the list the check still passes: it is blind",
+                  file=sys.stderr)
+            return 1
+        print(f"[kvcomp] check-deps: self-check passed ({args.self_check} off the list is caught)")
     return 0
 
 
