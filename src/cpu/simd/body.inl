@@ -7,7 +7,8 @@
 //
 // Rules that keep the three variants bitwise equal: each element sees the
 // same operations in the same order; no FMA contraction (-ffp-contract=off);
-// no libm (exp below is plain arithmetic); selects instead of branches.
+// no libm (exp_nonpositive, core/numerics.hpp, is plain arithmetic); selects
+// instead of branches.
 
 #ifndef KVCOMP_SIMD_NS
 #error "define KVCOMP_SIMD_NS before including body.inl"
@@ -16,124 +17,13 @@
 #include <cstdint>
 #include <cstring>
 
+#include "core/numerics.hpp"
 #include "cpu/simd/kernels.hpp"
 
 namespace kvcomp::detail::KVCOMP_SIMD_NS {
 namespace {
 
 using i64 = std::int64_t;
-using u32 = std::uint32_t;
-using u64 = std::uint64_t;
-
-inline u32 f2u(float f) {
-  u32 u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
-inline float u2f(u32 u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-inline u64 d2u(double d) {
-  u64 u;
-  std::memcpy(&u, &d, sizeof u);
-  return u;
-}
-inline double u2d(u64 u) {
-  double d;
-  std::memcpy(&d, &u, sizeof d);
-  return d;
-}
-
-// ---- 16-bit io conversions, branch-free (kvcomp/half.hpp is the branchy
-// reference; tests/kernels compares the two on every 16-bit pattern and on
-// float edge cases).
-
-inline float bf16_to_f32(std::uint16_t h) { return u2f(static_cast<u32>(h) << 16); }
-
-inline std::uint16_t f32_to_bf16(float f) {
-  const u32 bits = f2u(f);
-  const u32 rounded =
-      (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;  // nearest even; carries into the exponent
-  const u32 quiet_nan = (bits >> 16) | 0x0040u;
-  return static_cast<std::uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
-}
-
-inline float fp16_to_f32(std::uint16_t h) {
-  const u32 sign = static_cast<u32>(h & 0x8000u) << 16;
-  const u32 exp = (h >> 10) & 0x1fu;
-  const u32 mant = h & 0x3ffu;
-  const u32 normal = ((exp + 112u) << 23) | (mant << 13);
-  const u32 special = 0x7f800000u | (mant << 13);  // Inf / NaN
-  // Subnormal or zero: mant * 2^-24, exact in float and never a float
-  // subnormal itself, so flush-to-zero modes cannot touch it.
-  const u32 small = f2u(static_cast<float>(static_cast<std::int32_t>(mant)) * 5.9604644775390625e-8f);
-  return u2f(sign | (exp == 0x1fu ? special : (exp == 0 ? small : normal)));
-}
-
-inline std::uint16_t f32_to_fp16(float f) {
-  const u32 bits = f2u(f);
-  const u32 sign = (bits >> 16) & 0x8000u;
-  const u32 abs = bits & 0x7fffffffu;
-  const u32 nan = 0x7e00u | ((abs >> 13) & 0x3ffu);
-  // Normal range: rebias the exponent (127 -> 15), round the 13 dropped bits.
-  const u32 v = abs - 0x38000000u;
-  const u32 normal = (v + 0xfffu + ((v >> 13) & 1u)) >> 13;
-  // Below 2^-14: adding 0.5f aligns the value to the fp16 subnormal unit
-  // 2^-24 and the float addition rounds it to nearest even; the bits above
-  // those of 0.5f count the units. Values below 2^-25 round to 0.
-  const u32 small = f2u(u2f(abs < 0x38800000u ? abs : 0u) + 0.5f) - 0x3f000000u;
-  const u32 mag =
-      abs > 0x7f800000u ? nan : (abs >= 0x477ff000u ? 0x7c00u : (abs < 0x38800000u ? small : normal));
-  return static_cast<std::uint16_t>(sign | mag);
-}
-
-template <DType kDt>
-inline float round_io(float v) {
-  if constexpr (kDt == DType::bf16)
-    return bf16_to_f32(f32_to_bf16(v));
-  else if constexpr (kDt == DType::f16)
-    return fp16_to_f32(f32_to_fp16(v));
-  else
-    return v;
-}
-
-// ---- exp in float64 for x <= 0 (softmax arguments), plain arithmetic.
-// x = k ln2 + r with |r| <= ln2/2 (Cody-Waite, ln2 split so k * kLn2Hi is
-// exact), e^r by its Taylor series to r^13 (truncation < 2e-16 relative),
-// 2^k put into the exponent field. Within 2 ulp of exp; exp(-inf) = 0, NaN
-// stays NaN; results below 2^-1022 flush to 0 (they are < 1e-307 of the
-// block's largest weight, which is 1).
-inline double exp_nonpositive(double x) {
-  constexpr double kLog2e = 1.4426950408889634;
-  constexpr double kLn2Hi = 6.93147180369123816490e-01;  // 33 significant bits
-  constexpr double kLn2Lo = 1.90821492927058770002e-10;
-  constexpr double kShifter = 6755399441055744.0;  // 1.5 * 2^52: adding it rounds to an integer
-  const double xc = x < -708.0 ? -708.0 : x;       // keeps 2^k normal; NaN passes through the compare as NaN
-  const double t = xc * kLog2e + kShifter;
-  const double k = t - kShifter;
-  const double r = (xc - k * kLn2Hi) - k * kLn2Lo;
-  double p = 1.0 / 6227020800.0;  // 1/13!
-  p = p * r + 1.0 / 479001600.0;
-  p = p * r + 1.0 / 39916800.0;
-  p = p * r + 1.0 / 3628800.0;
-  p = p * r + 1.0 / 362880.0;
-  p = p * r + 1.0 / 40320.0;
-  p = p * r + 1.0 / 5040.0;
-  p = p * r + 1.0 / 720.0;
-  p = p * r + 1.0 / 120.0;
-  p = p * r + 1.0 / 24.0;
-  p = p * r + 1.0 / 6.0;
-  p = p * r + 0.5;
-  p = p * r + 1.0;
-  p = p * r + 1.0;
-  // The low bits of t hold k as an integer (two's complement, |k| < 2^51).
-  const u64 ki = d2u(t) - d2u(kShifter);
-  const double scale = u2d((ki + 1023u) << 52);
-  const double y = p * scale;
-  return x < -708.0 ? 0.0 : y;  // x = NaN: the compare is false, y is NaN
-}
 
 // ---- kernels
 
