@@ -1,6 +1,7 @@
 #include "plan/block_plan.hpp"
 
 #include <algorithm>
+#include <iterator>
 #include <limits>
 #include <string>
 
@@ -65,6 +66,63 @@ std::size_t first_batch_ending_after(const BlockPlan& plan, std::int64_t row) {
   auto it = std::partition_point(plan.batches.begin(), plan.batches.end(),
                                  [row](const BatchSpan& s) { return s.base + s.len <= row; });
   return static_cast<std::size_t>(it - plan.batches.begin());
+}
+
+namespace {
+
+struct SlotRange {
+  std::int64_t id, lo, hi;  // cache block id, slot offsets [lo, hi)
+  bool operator<(const SlotRange& o) const { return id != o.id ? id < o.id : lo < o.lo; }
+};
+
+// The slots of positions [lo, hi) of batch b, appended to out (mode 1 writes
+// skip block id 0).
+void slot_ranges(const CacheGeometry& g, std::int64_t b, std::int64_t lo, std::int64_t hi, bool write,
+                 std::vector<SlotRange>& out) {
+  const std::int64_t bs = g.block_size;
+  if (g.cache_mode == 2) {  // one block per batch, offsets wrap
+    const std::int64_t id = g.table[b];
+    for (std::int64_t p = lo; p < hi;) {
+      const std::int64_t off = p % bs, n = std::min(hi - p, bs - off);
+      out.push_back({id, off, off + n});
+      p += n;
+    }
+    return;
+  }
+  for (std::int64_t p = lo; p < hi;) {
+    const std::int64_t col = p / bs, off = p % bs, n = std::min(hi - p, bs - off);
+    const std::int64_t id = g.table[b * g.table_cols + col];
+    if (!(write && id == 0)) out.push_back({id, off, off + n});
+    p += n;
+  }
+}
+
+bool overlaps(const SlotRange& a, const SlotRange& b) { return a.id == b.id && a.lo < b.hi && b.lo < a.hi; }
+
+}  // namespace
+
+bool cache_slots_alias(const BlockPlan& plan, const CacheGeometry& g) {
+  const Dims& d = plan.dims;
+  std::vector<SlotRange> writes, reads;
+  for (std::size_t bi = 0; bi < plan.batches.size(); ++bi) {
+    const BatchSpan& s = plan.batches[bi];
+    const auto b = static_cast<std::int64_t>(bi);
+    const std::int64_t write_from = g.cache_mode == 1 ? s.sp : std::max(s.sp, s.limit - (d.coff - 1) * d.r);
+    slot_ranges(g, b, write_from, s.sp + s.used, true, writes);
+    if (s.nblocks > 0)
+      slot_ranges(g, b, std::max<std::int64_t>(0, s.k0 * d.r - (d.coff - 1) * d.r), s.sp, false, reads);
+  }
+  std::sort(writes.begin(), writes.end());
+  for (std::size_t i = 1; i < writes.size(); ++i)
+    if (overlaps(writes[i - 1], writes[i])) return true;
+  // The writes are now disjoint and sorted: a read meets one only if it meets
+  // the last write starting at or before it, or the first starting after it.
+  for (const SlotRange& rd : reads) {
+    const auto it = std::upper_bound(writes.begin(), writes.end(), SlotRange{rd.id, rd.lo, rd.lo});
+    if (it != writes.end() && overlaps(*it, rd)) return true;
+    if (it != writes.begin() && overlaps(*std::prev(it), rd)) return true;
+  }
+  return false;
 }
 
 }  // namespace kvcomp::detail

@@ -53,6 +53,22 @@ struct BlockPlan {
 // order); plan.batches.size() if none.
 std::size_t first_batch_ending_after(const BlockPlan& plan, std::int64_t row);
 
+// Where the forward reads and writes the state cache (spec 1.3).
+struct CacheGeometry {
+  std::int64_t block_num = 0, block_size = 0;
+  int cache_mode = 1;                   // 1 paged, 2 ring
+  const std::int32_t* table = nullptr;  // host data of state_block_table
+  std::int64_t table_cols = 1;          // cache_mode 1: columns of the table
+};
+
+// Whether the forward of this plan writes a cache slot that it also reads or
+// writes elsewhere (tables that map two positions, of one batch or of two, to
+// the same slot). Without such aliasing the order of the cache writes and
+// reads cannot change a result, and a backend may run them all at once;
+// with it, the spec's order (batch after batch, a batch's writes before its
+// reads) decides. The plan and table must have passed validation.
+bool cache_slots_alias(const BlockPlan& plan, const CacheGeometry& cache);
+
 // Row source of slot (half c, slot t) of block k in batch span `bs`:
 // position p = k*r + t - (coff-1-c)*r. Fresh when p >= sp.
 inline std::int64_t slot_position(const Dims& d, std::int64_t k, std::int64_t c, std::int64_t t) {
