@@ -11,6 +11,9 @@
 #include "kvcomp/kvcomp.hpp"
 #include "kvcomp/version.hpp"
 #include "validate/validate.hpp"
+#ifdef KVCOMP_HAVE_CUDA
+#include "cuda/backend.hpp"
+#endif
 
 namespace kvcomp {
 
@@ -75,18 +78,27 @@ std::int64_t compressed_rows_th(std::int64_t T, std::int64_t B, std::int64_t r) 
 
 const char* version() { return KVCOMP_VERSION_STRING; }
 
-struct ForwardPlanState {
-  ForwardArgs args;
+#ifdef KVCOMP_HAVE_CUDA
+using DevicePlanPtr = std::shared_ptr<const detail::cuda::DevicePlan>;
+#else
+using DevicePlanPtr = std::shared_ptr<const void>;  // never set: no call runs on a device
+#endif
+
+// What a plan keeps: the Args' views, the options, and what planning
+// resolved: the thread count (CPU) or the device copy of the block plan and
+// the host copies of the index data (CUDA).
+template <typename Args>
+struct PlanState {
+  Args args;
   Options options;
-  int threads = 1;  // resolved when planning; the workspace is sized for it
+  int threads = 1;  // CPU: resolved when planning; the workspace is sized for it
   std::size_t workspace = 0;
+  detail::IndexCopies index;  // CUDA: the index tensors as read when planning
+  DevicePlanPtr device_plan;  // CUDA
+  bool on_cuda() const { return args.x.device.type == DeviceType::cuda; }
 };
-struct BackwardPlanState {
-  BackwardArgs args;
-  Options options;
-  int threads = 1;  // resolved when planning; the workspace is sized for it
-  std::size_t workspace = 0;
-};
+struct ForwardPlanState : PlanState<ForwardArgs> {};
+struct BackwardPlanState : PlanState<BackwardArgs> {};
 
 std::size_t ForwardPlan::workspace_size() const { return state_ ? state_->workspace : 0; }
 std::size_t BackwardPlan::workspace_size() const { return state_ ? state_->workspace : 0; }
@@ -106,18 +118,23 @@ Status workspace_error(std::size_t given, std::size_t needed) {
 }
 
 // The steps both operators share; only validation, sizing and running differ.
-// Planning validates and sizes the workspace for the thread count resolved now.
-template <typename State, typename Args, typename Validate, typename Size>
+// Planning validates and sizes the workspace: for the thread count resolved
+// now (CPU), or with the device plan built now (CUDA: prepare).
+template <typename State, typename Args, typename Validate, typename Size, typename Prepare>
 Status make_plan(const Args& args, const Options& options, const char* op, Validate validate,
-                 Size workspace_size, std::shared_ptr<State>& out) {
+                 Size workspace_size, Prepare prepare, std::shared_ptr<State>& out) {
   try {
-    detail::BlockPlan bp;
-    if (auto s = validate(args, options, &bp); !s.ok()) return s;
     auto st = std::make_shared<State>();
     st->args = args;
     st->options = options;
-    st->threads = resolve_threads(options);
-    st->workspace = workspace_size(bp.dims, st->threads);
+    detail::BlockPlan bp;
+    if (auto s = validate(args, options, &bp, &st->index); !s.ok()) return s;
+    if (st->on_cuda()) {
+      if (auto s = prepare(*st, bp); !s.ok()) return s;
+    } else {
+      st->threads = resolve_threads(options);
+      st->workspace = workspace_size(bp.dims, st->threads);
+    }
     out = std::move(st);
     return Status::success();
   } catch (const std::bad_alloc&) {
@@ -125,18 +142,20 @@ Status make_plan(const Args& args, const Options& options, const char* op, Valid
   }
 }
 
-// Execute re-validates: the int32 sequence data and block tables are read
-// again, so a change between the two phases is caught, not trusted.
+// Execute re-validates: for host memory the int32 index data and block
+// tables are read again, so a change between the two phases is caught, not
+// trusted. A CUDA call re-validates from the copies read when planning
+// (reading device memory again would synchronise with the host).
 template <typename State, typename Validate, typename Run>
-Status run_plan(const State* st, const char* op, void* workspace, std::size_t workspace_size,
-                Validate validate, Run run) {
+Status run_plan(State* st, const char* op, void* workspace, std::size_t workspace_size, Validate validate,
+                Run run) {
   if (!st)
     return {StatusCode::invalid_param, std::string("[kvcomp] plan (= empty) must come from plan_") + op};
   if (workspace_size < st->workspace) return workspace_error(workspace_size, st->workspace);
   if (!workspace) return {StatusCode::null_pointer, "[kvcomp] workspace must not be null"};
   try {
     detail::BlockPlan bp;
-    if (auto s = validate(st->args, st->options, &bp); !s.ok()) return s;
+    if (auto s = validate(st->args, st->options, &bp, &st->index); !s.ok()) return s;
     return run(*st, bp, workspace);
   } catch (const std::bad_alloc&) {
     return out_of_memory(std::string("the ") + op);
@@ -215,6 +234,18 @@ Status run_one_call(const Args& args, const Options& options) {
   else
     s = plan_backward(args, options, &plan);
   if (!s.ok()) return s;
+  if (args.x.device.type == DeviceType::cuda) {
+#ifdef KVCOMP_HAVE_CUDA
+    // Device workspace, stream-ordered: allocated and freed on the call's stream.
+    void* ws = nullptr;
+    if (auto a = detail::cuda::allocate_async(args.x.device, options.stream, plan.workspace_size(), &ws);
+        !a.ok())
+      return a;
+    s = execute(plan, ws, plan.workspace_size());
+    detail::cuda::free_async(args.x.device, options.stream, ws);
+    return s;
+#endif
+  }
   void* ws = t_workspace.get(plan.workspace_size());
   if (!ws)
     return {StatusCode::runtime_error, "[kvcomp] workspace (= " + std::to_string(plan.workspace_size()) +
@@ -226,19 +257,42 @@ Status run_one_call(const Args& args, const Options& options) {
 
 Status plan_forward(const ForwardArgs& args, const Options& options, ForwardPlan* plan) {
   if (!plan) return {StatusCode::null_pointer, "[kvcomp] plan must not be null"};
-  return make_plan(args, options, "forward", detail::validate_forward, detail::forward_workspace_size,
-                   plan->state_);
+  return make_plan(
+      args, options, "forward", detail::validate_forward, detail::forward_workspace_size,
+      [](ForwardPlanState& st, const detail::BlockPlan& bp) {
+#ifdef KVCOMP_HAVE_CUDA
+        return detail::cuda::prepare_forward(st.args, st.options, bp, st.index.block_table, &st.device_plan,
+                                             &st.workspace);
+#else
+        (void)st, (void)bp;
+        return Status::success();  // unreachable: validation refuses device tensors in this build
+#endif
+      },
+      plan->state_);
 }
 
 Status plan_backward(const BackwardArgs& args, const Options& options, BackwardPlan* plan) {
   if (!plan) return {StatusCode::null_pointer, "[kvcomp] plan must not be null"};
-  return make_plan(args, options, "backward", detail::validate_backward, detail::backward_workspace_size,
-                   plan->state_);
+  return make_plan(
+      args, options, "backward", detail::validate_backward, detail::backward_workspace_size,
+      [](BackwardPlanState& st, const detail::BlockPlan& bp) {
+#ifdef KVCOMP_HAVE_CUDA
+        return detail::cuda::prepare_backward(st.args, st.options, bp, &st.device_plan, &st.workspace);
+#else
+        (void)st, (void)bp;
+        return Status::success();  // unreachable: validation refuses device tensors in this build
+#endif
+      },
+      plan->state_);
 }
 
 Status execute(ForwardPlan& plan, void* workspace, std::size_t workspace_size) {
   return run_plan(plan.state_.get(), "forward", workspace, workspace_size, detail::validate_forward,
                   [](const ForwardPlanState& st, const detail::BlockPlan& bp, void* ws) {
+#ifdef KVCOMP_HAVE_CUDA
+                    if (st.on_cuda())
+                      return detail::cuda::run_forward(st.args, st.options, bp, *st.device_plan, ws);
+#endif
                     return detail::run_forward(st.args, bp, st.threads, ws);
                   });
 }
@@ -246,6 +300,10 @@ Status execute(ForwardPlan& plan, void* workspace, std::size_t workspace_size) {
 Status execute(BackwardPlan& plan, void* workspace, std::size_t workspace_size) {
   return run_plan(plan.state_.get(), "backward", workspace, workspace_size, detail::validate_backward,
                   [](const BackwardPlanState& st, const detail::BlockPlan& bp, void* ws) {
+#ifdef KVCOMP_HAVE_CUDA
+                    if (st.on_cuda())
+                      return detail::cuda::run_backward(st.args, st.options, bp, *st.device_plan, ws);
+#endif
                     return detail::run_backward(st.args, bp, st.options.precision, st.threads, ws);
                   });
 }

@@ -1,5 +1,9 @@
 #include "validate/validate.hpp"
 
+#ifdef KVCOMP_HAVE_CUDA
+#include "cuda/backend.hpp"
+#endif
+
 #include <algorithm>
 #include <limits>
 #include <sstream>
@@ -93,12 +97,12 @@ Status check_devices(const std::vector<Named>& tensors) {
   }
   if (home.type == DeviceType::cuda) {
 #ifdef KVCOMP_HAVE_CUDA
-    const char* why = "the CUDA backend of this build runs no operator yet";
+    return cuda::check_device_memory(tensors, home);
 #else
-    const char* why =
-        "this build of kvcomp has no CUDA backend (configure it with -DKVCOMP_CUDA=ON and a CUDA 13 toolkit)";
+    return invalid("x (= " + where(home) +
+                   ") must be in host memory: this build of kvcomp has no CUDA backend (configure it with "
+                   "-DKVCOMP_CUDA=ON and a CUDA 13 toolkit)");
 #endif
-    return invalid("x (= " + where(home) + ") must be in host memory: " + why);
   }
   if (home.type != DeviceType::cpu)
     return invalid("x (= device type " + std::to_string(static_cast<int>(home.type)) +
@@ -131,9 +135,49 @@ bool is_io_dtype(DType dt, const Options& o) {
   return dt == DType::bf16 || dt == DType::f16 || (dt == DType::f32 && o.profile == Profile::extended);
 }
 
-const std::int32_t* int_data(const std::optional<Tensor>& t) {
-  return t ? static_cast<const std::int32_t*>(t->data) : nullptr;
-}
+// The index data a call's rules read: the tensors' own memory in host
+// memory; for a CUDA call the host copies, fetched on first use.
+class IndexData {
+ public:
+  IndexData(const SequenceArgs& a, const Options& o, const std::optional<Tensor>* table, IndexCopies* copies)
+      : a_(a), o_(o), table_(table), copies_(copies) {}
+
+  Status load() {
+    if (a_.x.device.type == DeviceType::cpu) return Status::success();
+    if (!copies_) return invalid("x (= on " + device_name(a_.x.device) + ") must be planned by kvcomp");
+    if (copies_->fetched) return Status::success();
+#ifdef KVCOMP_HAVE_CUDA
+    const std::pair<const std::optional<Tensor>*, std::vector<std::int32_t>*> all[] = {
+        {&a_.cu_seqlens, &copies_->cu_seqlens},
+        {&a_.seqused, &copies_->seqused},
+        {&a_.start_pos, &copies_->start_pos},
+        {table_, &copies_->block_table}};
+    for (const auto& [t, dst] : all)
+      if (t && *t)
+        if (auto s = cuda::copy_index_to_host(**t, o_.stream, *dst); !s.ok()) return s;
+    copies_->fetched = true;
+    return Status::success();
+#else
+    return invalid("x (= on " + device_name(a_.x.device) + ") must be in host memory");
+#endif
+  }
+  const std::int32_t* cu_seqlens() const { return get(a_.cu_seqlens, &IndexCopies::cu_seqlens); }
+  const std::int32_t* seqused() const { return get(a_.seqused, &IndexCopies::seqused); }
+  const std::int32_t* start_pos() const { return get(a_.start_pos, &IndexCopies::start_pos); }
+  const std::int32_t* block_table() const { return get(*table_, &IndexCopies::block_table); }
+
+ private:
+  const std::int32_t* get(const std::optional<Tensor>& t,
+                          std::vector<std::int32_t> IndexCopies::*copy) const {
+    if (!t) return nullptr;
+    if (a_.x.device.type == DeviceType::cpu) return static_cast<const std::int32_t*>(t->data);
+    return (copies_->*copy).data();
+  }
+  const SequenceArgs& a_;
+  const Options& o_;
+  const std::optional<Tensor>* table_;
+  IndexCopies* copies_;
+};
 
 // Rules shared by both operators (SequenceArgs). Fills dims.
 // forward_empty_ok: the forward accepts B = S = T = 0.
@@ -230,15 +274,15 @@ Status check_th_rows(const char* name, const Tensor& t, const BlockPlan& plan) {
                  "compressed blocks (= " + std::to_string(plan.total_blocks) + ")");
 }
 
-Status build_plan(const SequenceArgs& a, const Dims& d, BlockPlan* plan) {
-  return BlockPlan::build(d, int_data(a.cu_seqlens), int_data(a.seqused), int_data(a.start_pos), plan);
+Status build_plan(const IndexData& idx, const Dims& d, BlockPlan* plan) {
+  return BlockPlan::build(d, idx.cu_seqlens(), idx.seqused(), idx.start_pos(), plan);
 }
 
-Status check_cache_tables(const ForwardArgs& a, const BlockPlan& plan) {
+Status check_cache_tables(const ForwardArgs& a, const IndexData& idx, const BlockPlan& plan) {
   const Dims& d = plan.dims;
   const std::int64_t block_num = a.state_cache.dim(0);
   const std::int64_t bs = a.state_cache.dim(1);
-  const auto* table = static_cast<const std::int32_t*>(a.state_block_table->data);
+  const std::int32_t* table = idx.block_table();
   auto check_id = [&](std::int64_t b, std::int64_t col, std::int64_t id) -> Status {
     if (id >= 0 && id < block_num) return Status::success();
     return invalid("state_block_table[" + std::to_string(b) +
@@ -276,7 +320,7 @@ Status check_cache_tables(const ForwardArgs& a, const BlockPlan& plan) {
 
 }  // namespace
 
-Status validate_forward(const ForwardArgs& a, const Options& o, BlockPlan* plan) {
+Status validate_forward(const ForwardArgs& a, const Options& o, BlockPlan* plan, IndexCopies* copies) {
   if (auto s = check_present("state_cache", a.state_cache); !s.ok()) return s;
   if (auto s = check_present("ape", a.ape); !s.ok()) return s;
   if (!a.state_block_table) return null_ptr("state_block_table");
@@ -346,15 +390,17 @@ Status validate_forward(const ForwardArgs& a, const Options& o, BlockPlan* plan)
                    shape_str(a.kv) + ") must have as many rows as cmp_kv (shape " + shape_str(a.cmp_kv) +
                    ")");
   }
+  IndexData idx(a, o, &a.state_block_table, copies);
+  if (auto s = idx.load(); !s.ok()) return s;
   BlockPlan p;
-  if (auto s = build_plan(a, d, &p); !s.ok()) return s;
+  if (auto s = build_plan(idx, d, &p); !s.ok()) return s;
   if (auto s = check_th_rows("cmp_kv", a.cmp_kv, p); !s.ok()) return s;
-  if (auto s = check_cache_tables(a, p); !s.ok()) return s;
+  if (auto s = check_cache_tables(a, idx, p); !s.ok()) return s;
   *plan = std::move(p);
   return Status::success();
 }
 
-Status validate_backward(const BackwardArgs& a, const Options& o, BlockPlan* plan) {
+Status validate_backward(const BackwardArgs& a, const Options& o, BlockPlan* plan, IndexCopies* copies) {
   const std::pair<const char*, const Tensor*> required[] = {{"d_cmp_kv", &a.d_cmp_kv},
                                                             {"softmax_score", &a.softmax_score},
                                                             {"kv", &a.kv},
@@ -399,8 +445,10 @@ Status validate_backward(const BackwardArgs& a, const Options& o, BlockPlan* pla
   if (auto s = check_shape("d_wkv", a.d_wkv, {d.C, d.H}); !s.ok()) return s;
   if (auto s = check_shape("d_wgate", a.d_wgate, {d.C, d.H}); !s.ok()) return s;
   if (auto s = check_shape("d_ape", a.d_ape, {d.r, d.C}); !s.ok()) return s;
+  IndexData idx(a, o, nullptr, copies);
+  if (auto s = idx.load(); !s.ok()) return s;
   BlockPlan p;
-  if (auto s = build_plan(a, d, &p); !s.ok()) return s;
+  if (auto s = build_plan(idx, d, &p); !s.ok()) return s;
   if (auto s = check_th_rows("d_cmp_kv", a.d_cmp_kv, p); !s.ok()) return s;
   if (auto s = check_th_rows("softmax_score", a.softmax_score, p); !s.ok()) return s;
   if (auto s = check_th_rows("kv", a.kv, p); !s.ok()) return s;

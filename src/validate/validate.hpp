@@ -8,14 +8,31 @@
 //   "[kvcomp] <parameter> (= <value seen>) must <rule>".
 #pragma once
 
+#include <cstdint>
+#include <vector>
+
 #include "kvcomp/kvcomp.hpp"
 #include "plan/block_plan.hpp"
 
 namespace kvcomp::detail {
 
-// Static checks (no data read except the int32 sequence tensors) and the block
-// plan. On success *plan describes the call.
-Status validate_forward(const ForwardArgs& args, const Options& options, BlockPlan* plan);
-Status validate_backward(const BackwardArgs& args, const Options& options, BlockPlan* plan);
+// Host copies of the index tensors (cu_seqlens, seqused, start_pos,
+// state_block_table) of a call on a CUDA device. Validation fills them the
+// first time (one synchronous copy on the call's stream, once the shapes are
+// known to be right) and reads them from then on: planning fetches, execute
+// re-validates from the copies without touching the device.
+struct IndexCopies {
+  bool fetched = false;
+  std::vector<std::int32_t> cu_seqlens, seqused, start_pos, block_table;
+};
+
+// Static checks (no data read except the int32 index tensors) and the block
+// plan. On success *plan describes the call. Index data is read through the
+// tensors' pointers for a call in host memory, through *copies for a call on
+// a CUDA device (required then).
+Status validate_forward(const ForwardArgs& args, const Options& options, BlockPlan* plan,
+                        IndexCopies* copies = nullptr);
+Status validate_backward(const BackwardArgs& args, const Options& options, BlockPlan* plan,
+                         IndexCopies* copies = nullptr);
 
 }  // namespace kvcomp::detail

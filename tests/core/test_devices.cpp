@@ -33,14 +33,19 @@ void expect_invalid(const Status& s, const std::string& says) {
 
 const std::string kMix = ": a call's tensors are all in host memory or all on one CUDA device";
 
-std::string no_backend(const char* dev) {
-  return has_cuda_backend()
-             ? std::string("x (= on ") + dev +
-                   ") must be in host memory: the CUDA backend of this build runs no "
-                   "operator yet"
-             : std::string("x (= on ") + dev +
-                   ") must be in host memory: this build of kvcomp has no CUDA backend (configure it with "
-                   "-DKVCOMP_CUDA=ON and a CUDA 13 toolkit)";
+// Why a call whose tensors all claim device `index` is refused: no CUDA
+// backend; no such device; or (a device that exists) pointers that are not
+// its memory, as the fake addresses here are.
+std::string refused(int index) {
+  const std::string dev = "cuda:" + std::to_string(index);
+  if (!has_cuda_backend())
+    return "x (= on " + dev +
+           ") must be in host memory: this build of kvcomp has no CUDA backend (configure it with "
+           "-DKVCOMP_CUDA=ON and a CUDA 13 toolkit)";
+  if (index >= cuda_device_count())
+    return "x (= on " + dev + ") must be on a CUDA device of this machine (it has " +
+           std::to_string(cuda_device_count()) + ")";
+  return "x (= a host pointer) must point to memory on " + dev + ", the device its tensor names" + kMix;
 }
 
 struct Forward {
@@ -149,12 +154,12 @@ TEST(Devices, SavedOutputsCountOnlyWhenTheyAreWritten) {
   expect_invalid(compressor_forward(a), "kv (= on cuda:0) must be on the same device as x (cpu)" + kMix);
 }
 
-TEST(Devices, ACallOnACudaDeviceNeedsTheCudaBackend) {
+TEST(Devices, ACallOnACudaDeviceNeedsTheBackendTheDeviceAndItsMemory) {
   Forward f;
-  expect_invalid(compressor_forward(f.on(kCuda0)), no_backend("cuda:0"));
+  expect_invalid(compressor_forward(f.on(kCuda0)), refused(0));
   Backward b;
   BackwardPlan plan;
-  expect_invalid(plan_backward(b.on(kCuda1), {}, &plan), no_backend("cuda:1"));
+  expect_invalid(plan_backward(b.on(kCuda1), {}, &plan), refused(1));
   if (!has_cuda_backend()) {
     EXPECT_EQ(cuda_device_count(), 0);
   }

@@ -1,0 +1,56 @@
+// The CUDA backend as the shared code sees it (plain C++: no CUDA header
+// here, so core/ and validate/ compile with the host compiler). Only built
+// with KVCOMP_HAVE_CUDA.
+//
+// A call on a CUDA device goes: validate (shared rules; the index tensors are
+// copied to the host once, copy_index_to_host) -> prepare_* (the device copy
+// of the block plan, owned by the plan, and the workspace size) -> run_*
+// (kernels and cuBLASLt products queued on the caller's stream: nothing
+// allocated, no host synchronisation, so it can be captured in a CUDA graph).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "kvcomp/kvcomp.hpp"
+#include "plan/block_plan.hpp"
+
+namespace kvcomp::detail::cuda {
+
+// Every tensor of a call on CUDA device `dev`: the device exists, and each
+// non-empty tensor's pointer is memory that device can use (device or
+// managed memory of it, not a plain host pointer).
+Status check_device_memory(const std::vector<std::pair<const char*, const Tensor*>>& tensors, Device dev);
+
+// Copies the int32 tensor t (on a CUDA device) into out: queued on `stream`,
+// then waits for it. Planning only.
+Status copy_index_to_host(const Tensor& t, void* stream, std::vector<std::int32_t>& out);
+
+// The block plan on the device and what the drivers need to walk it; built
+// when planning, read-only afterwards. Frees its device memory when the last
+// plan holding it goes.
+struct DevicePlan;
+
+// Build the device plan of a validated call and size its workspace (device
+// memory, passed to execute). block_table: the host copy of
+// state_block_table (forward only).
+Status prepare_forward(const ForwardArgs& args, const Options& options, const BlockPlan& plan,
+                       const std::vector<std::int32_t>& block_table, std::shared_ptr<const DevicePlan>* out,
+                       std::size_t* workspace);
+Status prepare_backward(const BackwardArgs& args, const Options& options, const BlockPlan& plan,
+                        std::shared_ptr<const DevicePlan>* out, std::size_t* workspace);
+
+Status run_forward(const ForwardArgs& args, const Options& options, const BlockPlan& plan,
+                   const DevicePlan& dev, void* workspace);
+Status run_backward(const BackwardArgs& args, const Options& options, const BlockPlan& plan,
+                    const DevicePlan& dev, void* workspace);
+
+// Stream-ordered device memory for the one-call entry points (cudaMallocAsync
+// / cudaFreeAsync on the call's stream and device).
+Status allocate_async(Device dev, void* stream, std::size_t bytes, void** out);
+void free_async(Device dev, void* stream, void* p);
+
+}  // namespace kvcomp::detail::cuda
