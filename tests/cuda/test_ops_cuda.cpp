@@ -1,0 +1,368 @@
+// The CUDA backend's operators on a GPU (ctest label cuda): the CPU suite's
+// sweep against the float64 oracle, agreement with the CPU backend,
+// determinism, graph capture and replay, the validation rules with device
+// memory, cache aliasing, and large cases. Without a device every test
+// reports itself skipped.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+
+#include "device_mirror.hpp"
+#include "sweep.hpp"
+
+namespace kvcomp::test {
+namespace {
+
+std::vector<std::uint8_t> bytes_of(const Buffer& b) {
+  const auto* p = static_cast<const std::uint8_t*>(const_cast<Buffer&>(b).data());
+  const std::size_t n = b.size() * (b.dtype == DType::f32 || b.dtype == DType::i32 ? 4 : 2);
+  return {p, p + n};
+}
+
+// ---- The sweep against the oracle (the same checks as the CPU suite).
+
+class CudaSweep : public ::testing::TestWithParam<SweepCase> {};
+
+TEST_P(CudaSweep, ForwardMatchesOracle) {
+  KVCOMP_REQUIRE_GPU();
+  check_forward(GetParam(), [](ForwardRun& r, const Options& o) { return on_gpu(r, o); });
+}
+
+TEST_P(CudaSweep, BackwardThreeWay) {
+  KVCOMP_REQUIRE_GPU();
+  check_backward(GetParam(), [](BackwardRun& r, const Options& o) { return on_gpu(r, o); });
+}
+
+// GPU and CPU agree: the forward to io precision (different products, same
+// block formulas); the backward's d_ape bitwise (it depends on the inputs
+// only through the block formulas, which both backends compute with the same
+// operations in the same order), the rest to io precision.
+TEST_P(CudaSweep, AgreesWithTheCpu) {
+  KVCOMP_REQUIRE_GPU();
+  const SweepCase& c = GetParam();
+  auto rc = make_random_case(c.options(), c.forward_seed);
+  round_io_inputs(rc.in, c.io);
+  ForwardRun cpu(rc.problem, rc.in, c.io), gpu(rc.problem, rc.in, c.io);
+  ASSERT_TRUE(cpu.run().ok());
+  const Status s = on_gpu(gpu, {});
+  ASSERT_TRUE(s.ok()) << s.message;
+  const auto tw = two_way_compare(gpu.cmp_kv.values(), cpu.cmp_kv.values(), c.io);
+  EXPECT_TRUE(tw.pass) << "cmp_kv GPU vs CPU: " << tw.summary();
+  const auto ts = two_way_compare(gpu.softmax_score.values(), cpu.softmax_score.values(), c.io);
+  EXPECT_TRUE(ts.pass) << "softmax_score GPU vs CPU: " << ts.summary();
+
+  const BackwardData bd = make_backward_data(rc.problem, rc.in, c.io, c.backward_data_seed);
+  for (Precision prec : {Precision::precise, Precision::npu_parity}) {
+    Options o;
+    o.precision = prec;
+    BackwardRun bc(rc.problem, rc.in, bd, c.io), bg(rc.problem, rc.in, bd, c.io);
+    ASSERT_TRUE(bc.run(o).ok());
+    const Status sb = on_gpu(bg, o);
+    ASSERT_TRUE(sb.ok()) << sb.message;
+    EXPECT_EQ(bytes_of(bg.d_ape), bytes_of(bc.d_ape)) << "d_ape GPU vs CPU, bitwise";
+    for (auto [name, g, h] : {std::tuple{"d_x", &bg.d_x, &bc.d_x}, std::tuple{"d_wkv", &bg.d_wkv, &bc.d_wkv},
+                              std::tuple{"d_wgate", &bg.d_wgate, &bc.d_wgate}}) {
+      const auto r = two_way_compare(g->values(), h->values(), c.io);
+      EXPECT_TRUE(r.pass) << name << " GPU vs CPU ("
+                          << (prec == Precision::precise ? "precise" : "npu_parity") << "): " << r.summary();
+    }
+  }
+}
+
+// Same inputs, same bits: every output of both operators, run twice.
+TEST_P(CudaSweep, Deterministic) {
+  KVCOMP_REQUIRE_GPU();
+  const SweepCase& c = GetParam();
+  auto rc = make_random_case(c.options(), c.forward_seed);
+  round_io_inputs(rc.in, c.io);
+  ForwardRun f1(rc.problem, rc.in, c.io), f2(rc.problem, rc.in, c.io);
+  ASSERT_TRUE(on_gpu(f1, {}).ok());
+  ASSERT_TRUE(on_gpu(f2, {}).ok());
+  EXPECT_EQ(bytes_of(f1.cmp_kv), bytes_of(f2.cmp_kv));
+  EXPECT_EQ(bytes_of(f1.softmax_score), bytes_of(f2.softmax_score));
+  EXPECT_EQ(bytes_of(f1.kv), bytes_of(f2.kv));
+  EXPECT_EQ(bytes_of(f1.cache), bytes_of(f2.cache));
+  const BackwardData bd = make_backward_data(rc.problem, rc.in, c.io, c.backward_data_seed);
+  for (Precision prec : {Precision::precise, Precision::npu_parity}) {
+    Options o;
+    o.precision = prec;
+    BackwardRun b1(rc.problem, rc.in, bd, c.io), b2(rc.problem, rc.in, bd, c.io);
+    ASSERT_TRUE(on_gpu(b1, o).ok());
+    ASSERT_TRUE(on_gpu(b2, o).ok());
+    EXPECT_EQ(bytes_of(b1.d_x), bytes_of(b2.d_x));
+    EXPECT_EQ(bytes_of(b1.d_wkv), bytes_of(b2.d_wkv));
+    EXPECT_EQ(bytes_of(b1.d_wgate), bytes_of(b2.d_wgate));
+    EXPECT_EQ(bytes_of(b1.d_ape), bytes_of(b2.d_ape));
+  }
+}
+
+// The CPU sweep, plus cases longer than the GPU's chunks (16384 rows forward,
+// 4096 backward) so that blocks and their prev halves straddle them.
+std::vector<SweepCase> cuda_sweep() {
+  std::vector<SweepCase> v = sweep();
+  v.push_back({.name = "gpu_chunks_th_r5_coff2",
+               .th = true,
+               .B = 3,
+               .S = 9000,
+               .H = 16,
+               .D = 8,
+               .r = 5,
+               .max_start_pos = 12,
+               .allow_empty_segments = false});
+  v.push_back({.name = "gpu_chunks_bsh_r600_coff2",
+               .B = 1,
+               .S = 17500,
+               .H = 8,
+               .D = 4,
+               .r = 600,
+               .max_start_pos = 650});
+  v.push_back(
+      {.name = "gpu_chunks_tiny_th", .th = true, .B = 3000, .S = 12, .H = 8, .D = 8, .max_start_pos = 9});
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Issue11, CudaSweep, ::testing::ValuesIn(cuda_sweep()),
+                         [](const auto& tp) { return tp.param.name; });
+
+// ---- Execution: a stream of the caller's, graph capture and replay.
+
+SweepCase graph_case() {
+  return {.name = "graph", .th = true, .B = 3, .S = 40, .H = 64, .D = 32, .max_start_pos = 9};
+}
+
+TEST(CudaExecution, ForwardAndBackwardReplayFromACudaGraph) {
+  KVCOMP_REQUIRE_GPU();
+  const SweepCase c = graph_case();
+  auto rc = make_random_case(c.options(), c.forward_seed);
+  round_io_inputs(rc.in, c.io);
+  const BackwardData bd = make_backward_data(rc.problem, rc.in, c.io, c.backward_data_seed);
+  ForwardRun direct_f(rc.problem, rc.in, c.io), graph_f(rc.problem, rc.in, c.io);
+  BackwardRun direct_b(rc.problem, rc.in, bd, c.io), graph_b(rc.problem, rc.in, bd, c.io);
+  ASSERT_TRUE(on_gpu(direct_f, {}).ok());
+  ASSERT_TRUE(on_gpu(direct_b, {}).ok());
+
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  Options o;
+  o.stream = stream;
+  ForwardArgs fa = graph_f.args;
+  BackwardArgs ba = graph_b.args;
+  DeviceMirror m;
+  move_forward(m, fa);
+  move_backward(m, ba);
+  // Plan first (planning reads the index data and may synchronise), then capture execute only.
+  ForwardPlan fp;
+  BackwardPlan bp;
+  ASSERT_TRUE(plan_forward(fa, o, &fp).ok());
+  ASSERT_TRUE(plan_backward(ba, o, &bp).ok());
+  void *fws = nullptr, *bws = nullptr;
+  ASSERT_EQ(cudaMalloc(&fws, fp.workspace_size()), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&bws, bp.workspace_size()), cudaSuccess);
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  const Status sf = execute(fp, fws, fp.workspace_size());
+  const Status sb = execute(bp, bws, bp.workspace_size());
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  ASSERT_TRUE(sf.ok()) << sf.message;
+  ASSERT_TRUE(sb.ok()) << sb.message;
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (int replay = 0; replay < 2; ++replay) ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  m.copy_back();
+  EXPECT_EQ(bytes_of(graph_f.cmp_kv), bytes_of(direct_f.cmp_kv));
+  EXPECT_EQ(bytes_of(graph_f.softmax_score), bytes_of(direct_f.softmax_score));
+  EXPECT_EQ(bytes_of(graph_f.kv), bytes_of(direct_f.kv));
+  EXPECT_EQ(bytes_of(graph_f.cache), bytes_of(direct_f.cache));
+  EXPECT_EQ(bytes_of(graph_b.d_x), bytes_of(direct_b.d_x));
+  EXPECT_EQ(bytes_of(graph_b.d_wkv), bytes_of(direct_b.d_wkv));
+  EXPECT_EQ(bytes_of(graph_b.d_wgate), bytes_of(direct_b.d_wgate));
+  EXPECT_EQ(bytes_of(graph_b.d_ape), bytes_of(direct_b.d_ape));
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaFree(fws);
+  cudaFree(bws);
+  cudaStreamDestroy(stream);
+}
+
+// ---- Validation with device memory: the data rules give the CPU's status.
+
+struct DataFault {
+  const char* name;
+  void (*apply)(ForwardRun&);
+};
+
+TEST(CudaValidation, IndexDataRulesGiveTheCpuSentences) {
+  KVCOMP_REQUIRE_GPU();
+  const DataFault faults[] = {
+      {"cu_seqlens end", [](ForwardRun& r) { r.seq.cu.i32.back() += 1; }},
+      {"cu_seqlens decreasing", [](ForwardRun& r) { std::swap(r.seq.cu.i32[1], r.seq.cu.i32[2]); }},
+      {"seqused too long", [](ForwardRun& r) { r.seq.seqused.i32[0] = 1000; }},
+      {"start_pos negative", [](ForwardRun& r) { r.seq.start_pos.i32[1] = -3; }},
+      {"block id out of range",
+       [](ForwardRun& r) {
+         for (std::int32_t& id : r.table.i32) id = 1 << 20;
+       }},
+  };
+  SweepCase c{.name = "faults",
+              .th = true,
+              .B = 3,
+              .S = 12,
+              .H = 16,
+              .D = 8,
+              .max_start_pos = 6,
+              .allow_empty_segments = false};
+  auto rc = make_random_case(c.options(), c.forward_seed);
+  round_io_inputs(rc.in, c.io);
+  for (const DataFault& f : faults) {
+    ForwardRun cpu(rc.problem, rc.in, c.io), gpu(rc.problem, rc.in, c.io);
+    f.apply(cpu);
+    f.apply(gpu);
+    const Status sc = cpu.run(), sg = on_gpu(gpu, {});
+    EXPECT_FALSE(sc.ok()) << f.name;
+    EXPECT_EQ(sg.code, sc.code) << f.name;
+    EXPECT_EQ(sg.message, sc.message) << f.name;
+  }
+}
+
+TEST(CudaValidation, AHostPointerTaggedAsDeviceMemoryIsRefused) {
+  KVCOMP_REQUIRE_GPU();
+  const SweepCase c{.name = "host_pointer", .B = 2, .S = 8, .H = 16, .D = 8};
+  auto rc = make_random_case(c.options(), c.forward_seed);
+  ForwardRun r(rc.problem, rc.in, c.io);
+  ForwardArgs a = r.args;
+  DeviceMirror m;
+  move_forward(m, a);
+  a.wgate = r.args.wgate;                  // host memory ...
+  a.wgate.device = {DeviceType::cuda, 0};  // ... claiming to be on the GPU
+  const Status s = compressor_forward(a);
+  EXPECT_EQ(s.code, StatusCode::invalid_param);
+  EXPECT_EQ(s.message,
+            "[kvcomp] wgate (= a host pointer) must point to memory on cuda:0, the device its tensor names: "
+            "a call's "
+            "tensors are all in host memory or all on one CUDA device");
+}
+
+// Index data changed on the device after planning is not seen (documented),
+// and cannot make a kernel leave its tensors: cache block ids are clamped.
+// (Run under compute-sanitizer memcheck by ctest.)
+TEST(CudaValidation, ATableCorruptedAfterPlanningStaysInBounds) {
+  KVCOMP_REQUIRE_GPU();
+  const SweepCase c{.name = "corrupt", .B = 2, .S = 16, .H = 16, .D = 8, .max_start_pos = 9};
+  auto rc = make_random_case(c.options(), c.forward_seed);
+  ForwardRun r(rc.problem, rc.in, c.io);
+  ForwardArgs a = r.args;
+  DeviceMirror m;
+  move_forward(m, a);
+  ForwardPlan plan;
+  ASSERT_TRUE(plan_forward(a, {}, &plan).ok());
+  std::vector<std::int32_t> bad(r.table.i32.size());
+  for (std::size_t i = 0; i < bad.size(); ++i) bad[i] = i % 2 ? 1 << 30 : -(1 << 30);
+  ASSERT_EQ(cudaMemcpy(a.state_block_table->data, bad.data(), bad.size() * 4, cudaMemcpyHostToDevice),
+            cudaSuccess);
+  void* ws = nullptr;
+  ASSERT_EQ(cudaMalloc(&ws, plan.workspace_size()), cudaSuccess);
+  EXPECT_TRUE(execute(plan, ws, plan.workspace_size()).ok());
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  cudaFree(ws);
+}
+
+// ---- Cache aliasing: batches sharing cache blocks keep the spec's order.
+
+TEST(CudaCache, SharedBlocksFollowTheSpecOrderLikeTheCpu) {
+  KVCOMP_REQUIRE_GPU();
+  for (int mode : {1, 2}) {
+    SweepCase c{.name = "alias",
+                .B = 3,
+                .S = 12,
+                .H = 16,
+                .D = 8,
+                .cache_mode = mode,
+                .block_size = 32,
+                .start_pos = {5, 9, 14},
+                .random_seqused = false};
+    auto rc = make_random_case(c.options(), c.forward_seed);
+    round_io_inputs(rc.in, c.io);
+    ForwardRun cpu(rc.problem, rc.in, c.io), gpu(rc.problem, rc.in, c.io);
+    // Every batch's table points at the blocks of batch 0: batch 1 reads what batch 0 writes.
+    for (ForwardRun* r : {&cpu, &gpu}) {
+      const std::size_t cols = mode == 1 ? static_cast<std::size_t>(r->args.state_block_table->dim(1)) : 1;
+      for (std::size_t b = 1; b < 3; ++b)
+        for (std::size_t i = 0; i < cols; ++i)
+          r->table.i32[b * cols + i] = r->table.i32[i] ? r->table.i32[i] : 1;
+      for (std::size_t i = 0; i < cols; ++i)
+        if (r->table.i32[i] == 0) r->table.i32[i] = 1;
+    }
+    ASSERT_TRUE(cpu.run().ok());
+    const Status s = on_gpu(gpu, {});
+    ASSERT_TRUE(s.ok()) << s.message;
+    const auto tw = two_way_compare(gpu.cmp_kv.values(), cpu.cmp_kv.values(), c.io);
+    EXPECT_TRUE(tw.pass) << "mode " << mode << " cmp_kv: " << tw.summary();
+    const auto tc = two_way_compare(gpu.cache.values(), cpu.cache.values(), c.io);
+    EXPECT_TRUE(tc.pass) << "mode " << mode << " cache: " << tc.summary();
+  }
+}
+
+// ---- Large cases: GPU against the CPU backend (itself checked against the oracle).
+
+void large_case(const SweepCase& c) {
+  auto rc = make_random_case(c.options(), c.forward_seed);
+  round_io_inputs(rc.in, c.io);
+  ForwardRun cpu(rc.problem, rc.in, c.io), gpu(rc.problem, rc.in, c.io);
+  ASSERT_TRUE(cpu.run().ok());
+  const Status s = on_gpu(gpu, {});
+  ASSERT_TRUE(s.ok()) << s.message;
+  const auto tw = two_way_compare(gpu.cmp_kv.values(), cpu.cmp_kv.values(), c.io);
+  EXPECT_TRUE(tw.pass) << "cmp_kv: " << tw.summary();
+  // The backward on the CPU forward's own intermediates, a fixed upstream gradient.
+  BackwardData bd;
+  bd.softmax_score = cpu.softmax_score.values();
+  bd.kv = cpu.kv.values();
+  bd.d_cmp_kv = cpu.cmp_kv.values();
+  std::mt19937_64 rng(5);
+  std::uniform_real_distribution<double> dist(-1.0, 1.0);
+  for (double& v : bd.d_cmp_kv) v = round_to_dtype(dist(rng), c.io);
+  BackwardRun bc(rc.problem, rc.in, bd, c.io), bg(rc.problem, rc.in, bd, c.io);
+  ASSERT_TRUE(bc.run().ok());
+  const Status sb = on_gpu(bg, {});
+  ASSERT_TRUE(sb.ok()) << sb.message;
+  EXPECT_EQ(bytes_of(bg.d_ape), bytes_of(bc.d_ape)) << "d_ape, bitwise";
+  for (auto [name, g, h] : {std::tuple{"d_x", &bg.d_x, &bc.d_x}, std::tuple{"d_wkv", &bg.d_wkv, &bc.d_wkv},
+                            std::tuple{"d_wgate", &bg.d_wgate, &bc.d_wgate}}) {
+    const auto r = two_way_compare(g->values(), h->values(), c.io);
+    EXPECT_TRUE(r.pass) << name << ": " << r.summary();
+  }
+}
+
+TEST(CudaLarge, C4aBsh262144Tokens) {
+  KVCOMP_REQUIRE_GPU();
+  large_case({.name = "c4a_262144",
+              .B = 1,
+              .S = 262144,
+              .H = 64,
+              .D = 512,
+              .max_start_pos = 0,
+              .random_seqused = false});
+}
+
+TEST(CudaLarge, C128aTh1MTokensIn1000Sequences) {
+  KVCOMP_REQUIRE_GPU();
+  large_case({.name = "c128a_1m",
+              .th = true,
+              .B = 1000,
+              .S = 1000,
+              .H = 32,
+              .D = 512,
+              .coff = 1,
+              .r = 128,
+              .cache_mode = 1,
+              .max_start_pos = 0,
+              .block_size = 128,
+              .lengths = std::vector<std::int32_t>(1000, 1000),
+              .random_seqused = false,
+              .allow_empty_segments = false});
+}
+
+}  // namespace
+}  // namespace kvcomp::test
