@@ -132,8 +132,10 @@ std::optional<kvcomp::Tensor> view_opt(const std::optional<InArray>& a, const ch
   return view(*a, name);
 }
 
-kvcomp::Options make_options(const std::string& profile, const std::string& precision, int num_threads) {
+kvcomp::Options make_options(const std::string& profile, const std::string& precision, int num_threads,
+                             std::uintptr_t stream) {
   kvcomp::Options o;
+  o.stream = reinterpret_cast<void*>(stream);  // CUDA tensors: the caller's stream (torch's current one)
   if (profile == "extended") {
     o.profile = kvcomp::Profile::extended;
   } else if (profile == "aclnn") {
@@ -168,8 +170,8 @@ void forward(const InArray& x, const InArray& wkv, const InArray& wgate, const O
              const std::optional<InArray>& start_pos, std::int64_t cmp_ratio, std::int64_t coff,
              std::int64_t cache_mode, const OutArray& cmp_kv, const std::optional<OutArray>& softmax_score,
              const std::optional<OutArray>& kv, const std::string& profile, const std::string& precision,
-             int num_threads) {
-  const kvcomp::Options options = make_options(profile, precision, num_threads);
+             int num_threads, std::uintptr_t stream) {
+  const kvcomp::Options options = make_options(profile, precision, num_threads, stream);
   kvcomp::ForwardArgs a;
   a.x = view(x, "x");
   a.wkv = view(wkv, "wkv");
@@ -207,8 +209,8 @@ void backward(const InArray& x, const InArray& wkv, const InArray& wgate, const 
               const std::optional<InArray>& seqused, const std::optional<InArray>& start_pos,
               std::int64_t cmp_ratio, std::int64_t coff, const OutArray& d_x, const OutArray& d_wkv,
               const OutArray& d_wgate, const OutArray& d_ape, const std::string& profile,
-              const std::string& precision, int num_threads) {
-  const kvcomp::Options options = make_options(profile, precision, num_threads);
+              const std::string& precision, int num_threads, std::uintptr_t stream) {
+  const kvcomp::Options options = make_options(profile, precision, num_threads, stream);
   kvcomp::BackwardArgs a;
   a.x = view(x, "x");
   a.wkv = view(wkv, "wkv");
@@ -262,13 +264,15 @@ NB_MODULE(_C, m) {
         nb::arg("seqused").none(), nb::arg("start_pos").none(), nb::arg("cmp_ratio"), nb::arg("coff"),
         nb::arg("cache_mode"), nb::arg("cmp_kv"), nb::arg("softmax_score").none(), nb::arg("kv").none(),
         nb::arg("profile") = "extended", nb::arg("precision") = "precise", nb::arg("num_threads") = 0,
-        "Runs kvcomp::compressor_forward on caller-allocated outputs; state_cache is updated in place.");
+        nb::arg("stream") = 0,
+        "Runs kvcomp::compressor_forward on caller-allocated outputs; state_cache is updated in place. "
+        "stream: the cudaStream_t (as an integer) of a call on CUDA tensors, 0 for the default stream.");
   m.def("backward", &backward, nb::arg("x"), nb::arg("wkv"), nb::arg("wgate"), nb::arg("d_cmp_kv"),
         nb::arg("softmax_score"), nb::arg("kv"), nb::arg("cu_seqlens").none(), nb::arg("seqused").none(),
         nb::arg("start_pos").none(), nb::arg("cmp_ratio"), nb::arg("coff"), nb::arg("d_x"), nb::arg("d_wkv"),
         nb::arg("d_wgate"), nb::arg("d_ape"), nb::arg("profile") = "extended",
-        nb::arg("precision") = "precise", nb::arg("num_threads") = 0,
-        "Runs kvcomp::compressor_backward on caller-allocated outputs.");
+        nb::arg("precision") = "precise", nb::arg("num_threads") = 0, nb::arg("stream") = 0,
+        "Runs kvcomp::compressor_backward on caller-allocated outputs (stream: as for forward).");
   m.def("compressed_rows_bsh", &kvcomp::compressed_rows_bsh, nb::arg("S"), nb::arg("cmp_ratio"),
         "Rows of cmp_kv per batch in BSH layout: ceil(S / cmp_ratio).");
   m.def("compressed_rows_th", &kvcomp::compressed_rows_th, nb::arg("T"), nb::arg("B"), nb::arg("cmp_ratio"),

@@ -121,6 +121,14 @@ def _empty(like, shape, fp32=False):
     return np.empty(shape, dtype=np.float32 if fp32 else like.dtype)
 
 
+def _stream(xs):
+    """The CUDA stream a call on ``xs`` is queued on: torch's current stream of its device (0, the
+    default stream, for host memory and numpy)."""
+    if _is_torch(xs) and xs.device.type == "cuda":
+        return sys.modules["torch"].cuda.current_stream(xs.device).cuda_stream
+    return 0
+
+
 def _dims(a):
     return tuple(int(d) for d in a.shape)
 
@@ -212,6 +220,7 @@ def compressor_forward(
         softmax_score,
         kv,
         *opts,
+        stream=_stream(xs),
     )
     return cmp_kv, softmax_score, kv
 
@@ -270,5 +279,6 @@ def compressor_grad(
         d_wgate,
         d_ape,
         *opts,
+        stream=_stream(xs),
     )
     return d_x, d_wkv, d_wgate, d_ape

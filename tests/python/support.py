@@ -12,7 +12,30 @@ from typing import Optional
 
 import torch
 
+import pytest
+
+import kvcomp
+
 IO_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+# The devices a test runs on: host memory always; a CUDA device when torch sees one and this build of
+# kvcomp has the CUDA backend (otherwise reported as skipped, with the reason).
+CUDA_REASON = (
+    "torch sees no CUDA device"
+    if not torch.cuda.is_available()
+    else (None if kvcomp.has_cuda_backend() else "this build of kvcomp has no CUDA backend")
+)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(CUDA_REASON is not None, reason=str(CUDA_REASON)))]
+
+
+def on_device(case, device):
+    """The case with every tensor moved to `device` (a copy; the original stays in host memory)."""
+    moved = {
+        f.name: (v.to(device) if isinstance(v, torch.Tensor) else v)
+        for f in dataclasses.fields(case)
+        for v in [getattr(case, f.name)]
+    }
+    return dataclasses.replace(case, **moved)
 
 
 class _RoundGrad(torch.autograd.Function):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvcomp.torch as kt
-from support import make_case
+from support import DEVICES, make_case, on_device
 
 CASES = {
     "bsh": dict(lens=[11, 8], r=4, coff=2, start_pos=[5, 0], H=16, D=8),
@@ -47,7 +47,7 @@ def _compare(case, backend):
     probe = kt.compressor(
         case.x, case.wkv, case.wgate, case.state_cache.clone(), case.ape, case.cmp_ratio, **case.kwargs()
     )
-    target = torch.randn(probe.shape, generator=torch.Generator().manual_seed(3))
+    target = torch.randn(probe.shape, generator=torch.Generator().manual_seed(3)).to(probe.device)
     torch._dynamo.reset()
     eager = _run(step, case, target)
     compiled = _run(torch.compile(step, backend=backend, fullgraph=True), case, target)
@@ -58,13 +58,15 @@ def _compare(case, backend):
 
 
 @pytest.mark.parametrize("layout", list(CASES))
-def test_compiled_step_equals_eager_aot_eager(layout):
-    _compare(make_case(seed=31, **CASES[layout]), "aot_eager")
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_step_equals_eager_aot_eager(layout, device):
+    _compare(on_device(make_case(seed=31, **CASES[layout]), device), "aot_eager")
 
 
 @pytest.mark.skipif(os.environ.get("KVCOMP_SKIP_INDUCTOR") == "1", reason="KVCOMP_SKIP_INDUCTOR=1")
-def test_compiled_step_equals_eager_inductor():
-    _compare(make_case(seed=32, **CASES["bsh"]), "inductor")
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_step_equals_eager_inductor(device):
+    _compare(on_device(make_case(seed=32, **CASES["bsh"]), device), "inductor")
 
 
 def test_dynamic_shapes():

@@ -12,7 +12,7 @@ import torch
 import kvcomp
 import kvcomp.torch as kt
 from kvcomp.compare import three_way, two_way
-from support import GRAD_NAMES, IO_DTYPES, make_case, reference_grads
+from support import DEVICES, GRAD_NAMES, IO_DTYPES, make_case, on_device, reference_grads
 
 SWEEP = {
     "bsh_c1_r4": dict(lens=[12, 12], r=4, coff=1),
@@ -88,13 +88,20 @@ def assert_close_to_truth(a, truth, rel=1e-5):
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("name", list(SWEEP))
-def test_sweep(name, dtype):
+@pytest.mark.parametrize("device", DEVICES)
+def test_sweep(name, dtype, device):
+    """kvcomp on `device`; the references always in host memory, float64."""
     case = make_case(dtype=dtype, seed=zlib.crc32(name.encode()) % 1000, **SWEEP[name])
     io = IO_DTYPES[dtype]
-    softmax_score, kv = kvcomp_intermediates(case)
+    dev_case = on_device(case, device)
+    softmax_score, kv = (t.cpu() for t in kvcomp_intermediates(dev_case))
     g = torch.Generator().manual_seed(7)
     d_cmp_kv = torch.randn(softmax_score.shape[:-2] + softmax_score.shape[-1:], generator=g).to(io)
-    out_a, grads_a, cache_a = run_kvcomp(case, d_cmp_kv)
+    out_a, grads_a, cache_a = run_kvcomp(dev_case, d_cmp_kv.to(device))
+    if device != "cpu":  # results come back to the host, and were produced on the device
+        assert out_a.device.type == device and cache_a.device.type == device
+        out_a, cache_a = out_a.cpu(), cache_a.cpu()
+        grads_a = {n: (v.cpu() if v is not None else None) for n, v in grads_a.items()}
 
     # 1. Spec 7.2 three-way on the backward outputs, B and C differentiating the small-ops forward at
     #    kvcomp's intermediates (upstream's main check). For fp32 io, where B is fp32 arithmetic like A
@@ -269,8 +276,9 @@ def _opcheck_cases():
 
 
 @pytest.mark.parametrize("layout", ["bsh", "th"])
-def test_opcheck(layout):
-    case = _opcheck_cases()[layout]
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(layout, device):
+    case = on_device(_opcheck_cases()[layout], device)
     k = case.kwargs()
     idx = (k["state_block_table"], k["cu_seqlens"], k["seqused"], k["start_pos"])
     fwd_args = (
