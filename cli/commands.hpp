@@ -23,6 +23,7 @@ struct CaseOptions {
   std::string out_dir;
   io::OutDType out_dtype = io::OutDType::f32;
   Options options;
+  Device device;  // where the operator runs (--device)
 };
 
 int run_grad(const CaseOptions& o);
@@ -41,6 +42,7 @@ struct DemoOptions {
   int threads = 0;
   std::uint64_t seed = 1;
   std::string preset = "c4a";
+  Device device;
 };
 
 int run_demo(const DemoOptions& o);

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "commands.hpp"
+#include "device.hpp"
 #include "kvcomp/half.hpp"
 #include "reference/precision.hpp"
 #include "reference/reference.hpp"
@@ -244,8 +245,9 @@ DemoCase make_data(const DemoOptions& o, int threads) {
   sh.block_num = sh.cols + 1;
   const std::uint64_t seed = o.seed;
 
-  std::printf("kvcomp %s demo: preset %s, seed %llu, %d threads\n", version(), o.preset.c_str(),
-              static_cast<unsigned long long>(seed), threads);
+  std::printf("kvcomp %s demo on %s: preset %s, seed %llu, %d threads\n", version(),
+              device_name(o.device).c_str(), o.preset.c_str(), static_cast<unsigned long long>(seed),
+              threads);
   std::printf("case: bf16 BSH B=1 S=%lld H=%lld D=%lld coff=%lld cmp_ratio=%lld start_pos=%lld\n",
               static_cast<long long>(S), static_cast<long long>(H), static_cast<long long>(D),
               static_cast<long long>(sh.coff), static_cast<long long>(r), static_cast<long long>(sp));
@@ -317,12 +319,9 @@ DemoCase make_data(const DemoOptions& o, int threads) {
 // JIT kernels, thread pool), then the timed runs of the full case.
 bool run(DemoCase& dc, const DemoOptions& o, const Options& opt) {
   Shared& sh = dc.sh;
-  ForwardArgs fa_r = forward_args(sh, dc.red);
-  Status st = compressor_forward(fa_r, opt);
-  if (st.ok()) {
-    BackwardArgs ba_r = backward_args(sh, dc.red);
-    st = compressor_backward(ba_r, opt);
-  }
+  double ms = 0;
+  Status st = run_on(o.device, forward_args(sh, dc.red), opt, &ms);
+  if (st.ok()) st = run_on(o.device, backward_args(sh, dc.red), opt, &ms);
   if (!st.ok()) {
     print_error(st.value(), st.message);
     return false;
@@ -330,18 +329,11 @@ bool run(DemoCase& dc, const DemoOptions& o, const Options& opt) {
 
   const i64 T = dc.S, C = sh.C, H = sh.H;
   const double tcH = static_cast<double>(T) * static_cast<double>(C) * static_cast<double>(H);
-  auto time_op = [&](auto&& call, double flops, const char* label) -> bool {
-    double best = 1e300, total = 0;
-    for (int i = 0; i < o.repeat; ++i) {
-      const auto t0 = Clock::now();
-      const Status s = call();
-      const double t = seconds_since(t0);
-      if (!s.ok()) {
-        print_error(s.value(), s.message);
-        return false;
-      }
-      best = std::min(best, t);
-      total += t;
+  auto time_op = [&](auto args, double flops, const char* label) -> bool {
+    double best = 0, total = 0;
+    if (const Status s = time_on(o.device, args, opt, o.repeat, &best, &total); !s.ok()) {
+      print_error(s.value(), s.message);
+      return false;
     }
     if (o.repeat == 1)
       std::printf("  %-24s %10.1f ms %9.1f GFLOP/s\n", label, best * 1e3, flops / best * 1e-9);
@@ -350,13 +342,13 @@ bool run(DemoCase& dc, const DemoOptions& o, const Options& opt) {
                   total / o.repeat * 1e3, o.repeat, flops / best * 1e-9);
     return true;
   };
-  std::printf("timing (full case, whole call incl. planning and workspace):\n");
+  std::printf("timing on %s (full case, whole call incl. planning and workspace%s):\n",
+              device_name(o.device).c_str(),
+              o.device.type == DeviceType::cuda ? ", data already on the device" : "");
   // Writes go to positions >= start_pos and reads to positions below it, so a
   // repeated forward sees the same cache every time.
-  ForwardArgs fa = forward_args(sh, dc.full);
-  if (!time_op([&] { return compressor_forward(fa, opt); }, 4 * tcH, "forward (grad_enabled)")) return false;
-  BackwardArgs ba = backward_args(sh, dc.full);
-  if (!time_op([&] { return compressor_backward(ba, opt); }, 8 * tcH, "backward")) return false;
+  if (!time_op(forward_args(sh, dc.full), 4 * tcH, "forward (grad_enabled)")) return false;
+  if (!time_op(backward_args(sh, dc.full), 8 * tcH, "backward")) return false;
   std::printf("  flops counted: forward 4*T*C*H, backward 8*T*C*H (T=%lld, C=%lld, H=%lld)\n",
               static_cast<long long>(T), static_cast<long long>(C), static_cast<long long>(H));
   return true;

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "commands.hpp"
+#include "device.hpp"
 #include "io/npy.hpp"
 
 namespace {
@@ -57,9 +58,24 @@ upstream tests: A = kvcomp, B = fp32 golden, C = float64 truth.
 const char* const kExamples = R"(
 Examples:
   kvcomp demo --threads 8
+  kvcomp demo --device cuda --tokens 65536
   kvcomp grad --in case/ --out result/ --npu-parity
   kvcomp fwd --in case/ --out result/ --out-dtype io
 )";
+
+// --device: cpu, cuda or cuda:N, parsed into *device when the option is given.
+void add_device_option(CLI::App* cmd, Device* device) {
+  cmd->add_option_function<std::string>(
+         "--device",
+         [device](const std::string& text) {
+           if (!parse_device(text, device))
+             throw CLI::ValidationError("--device", "must be cpu, cuda or cuda:N");
+         },
+         "Where the operator runs: cpu, or a CUDA device (cuda = cuda:0); a CUDA run copies the case to the "
+         "device and the results back, and times the call alone")
+      ->type_name("cpu|cuda[:N]")
+      ->default_str("cpu");
+}
 
 void add_case_options(CLI::App* cmd, CaseOptions& o, std::string& out_dtype, std::string& profile) {
   cmd->add_option("--in", o.in_dir, "Case directory to read")->required()->type_name("DIR");
@@ -77,6 +93,7 @@ void add_case_options(CLI::App* cmd, CaseOptions& o, std::string& out_dtype, std
   cmd->add_option("--threads", o.options.num_threads, "OpenMP threads (0: the OpenMP default)")
       ->check(CLI::Range(0, 4096))
       ->default_val(0);
+  add_device_option(cmd, &o.device);
 }
 
 void finish_case_options(CaseOptions& o, const std::string& out_dtype, const std::string& profile) {
@@ -86,7 +103,8 @@ void finish_case_options(CaseOptions& o, const std::string& out_dtype, const std
 
 int run(int argc, char** argv) {
   CLI::App app{
-      "kvcomp: the Compressor / CompressorGrad operators (aclnnCompressor / aclnnCompressorGrad) on CPU",
+      "kvcomp: the Compressor / CompressorGrad operators (aclnnCompressor / aclnnCompressorGrad) on CPUs and "
+      "NVIDIA GPUs",
       "kvcomp"};
   app.set_version_flag("--version", std::string("kvcomp ") + version());
   app.require_subcommand(1);
@@ -139,6 +157,7 @@ int run(int argc, char** argv) {
       ->check(CLI::Range(0, 4096))
       ->capture_default_str();
   demo->add_option("--seed", demo_o.seed, "Random seed")->capture_default_str();
+  add_device_option(demo, &demo_o.device);
   demo->footer(std::string(kDemoFooter) + kExitFooter);
   BenchOptions bench_o;
   CLI::App* bench = app.add_subcommand(
@@ -159,6 +178,8 @@ int run(int argc, char** argv) {
       ->check(CLI::Range(0, 4096))
       ->capture_default_str();
   bench->footer(kExitFooter);
+  CLI::App* info =
+      app.add_subcommand("info", "Print the version, the CPU kernels in use and the CUDA devices seen");
   // Set last: subcommands copy the parent's footer when they are created.
   app.footer(std::string(kCaseFooter) + kExitFooter + kExamples);
 
@@ -181,6 +202,11 @@ int run(int argc, char** argv) {
     }
     if (demo->parsed()) return run_demo(demo_o);
     if (bench->parsed()) return run_bench(bench_o);
+    if (info->parsed()) {
+      std::printf("kvcomp %s\ncpu kernels: %s\ncuda backend: %s\ncuda devices: %d\n", version(), kernel_isa(),
+                  has_cuda_backend() ? "yes" : "no (built without a CUDA toolkit)", cuda_device_count());
+      return kExitOk;
+    }
   } catch (const io::IoError& e) {
     print_error(e.code(), e.what());
     return kExitUsage;

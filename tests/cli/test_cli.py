@@ -377,8 +377,21 @@ CASES = [
 ]
 
 
+def cuda_devices():
+    """CUDA devices `kvcomp info` reports (0 without the backend, a driver or a GPU)."""
+    out = subprocess.run([KVCOMP, "info"], capture_output=True, text=True, check=True).stdout
+    return int(re.search(r"^cuda devices: (\d+)$", out, re.M).group(1))
+
+
+NO_GPU = pytest.mark.skipif(
+    os.path.exists(KVCOMP) and cuda_devices() == 0, reason="kvcomp sees no CUDA device (or has no backend)"
+)
+DEVICES = ["cpu", pytest.param("cuda", marks=NO_GPU)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("spec", CASES, ids=[c["name"] for c in CASES])
-def test_case_fwd_and_grad(spec, tmp_path):
+def test_case_fwd_and_grad(spec, device, tmp_path):
     case = Case(spec)
     hi = case.forward("high")
     lo = case.forward("same")
@@ -388,6 +401,7 @@ def test_case_fwd_and_grad(spec, tmp_path):
     rep = Report(case.name)
     out_io = bool(spec.get("out_io"))
     io_args = ["--out-dtype", "io"] if out_io else []
+    io_args += ["--device", device]
 
     # forward
     run_ok("fwd", "--in", case_dir, "--out", tmp_path / "fwd", "--threads", THREADS, *io_args)
@@ -402,7 +416,10 @@ def test_case_fwd_and_grad(spec, tmp_path):
 
     # --npu-parity: two-party against the fp32 "same" golden (spec 7.1)
     if spec.get("npu_parity"):
-        run_ok("grad", "--in", case_dir, "--out", tmp_path / "grad_npu", "--threads", THREADS, "--npu-parity")
+        run_ok(
+            "grad", "--in", case_dir, "--out", tmp_path / "grad_npu", "--threads", THREADS, "--npu-parity",
+            "--device", device,
+        )
         for k in ("d_x", "d_wkv", "d_wgate", "d_ape"):
             a = load_out(tmp_path / "grad_npu" / f"{k}.npy")
             rep.two_party(f"npu-parity {k}", a, glo[k], "fp32" if k == "d_ape" else case.dtype)
@@ -422,6 +439,21 @@ def test_fwd_without_grad_enabled(tmp_path):
     for k in ("cmp_kv", "state_cache"):
         a, b = np.load(tmp_path / "o1" / f"{k}.npy"), np.load(tmp_path / "o2" / f"{k}.npy")
         assert a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32)), k
+
+
+def test_device_option(small_case, tmp_path):
+    """--device: a bad value is a usage error (exit 2); a CUDA device this machine or build does not have
+    is refused with the reason (exit 1), and nothing is written."""
+    _, case_dir = small_case
+    r = run_kvcomp("fwd", "--in", case_dir, "--out", tmp_path / "o", "--device", "gpu")
+    assert r.returncode == 2 and "--device: must be cpu, cuda or cuda:N" in r.stderr
+    r = run_kvcomp("fwd", "--in", case_dir, "--out", tmp_path / "o", "--device", "cuda:99")
+    assert r.returncode == 1 and _no_output(tmp_path / "o")
+    assert re.search(
+        r"error 161002: \[kvcomp\] --device \(= cuda:99\) must be (a CUDA device of this machine \(it has \d+\)"
+        r"|cpu: this build of kvcomp has no CUDA backend)",
+        r.stderr,
+    ), r.stderr
 
 
 def test_results_independent_of_thread_count(tmp_path):
