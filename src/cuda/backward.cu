@@ -66,7 +66,9 @@ Status zero(void* p, std::size_t bytes, cudaStream_t s) {
 Status prepare_backward(const BackwardArgs& args, const Options& options, const BlockPlan& plan,
                         std::shared_ptr<const DevicePlan>* out, std::size_t* workspace) {
   auto dp = std::make_shared<DevicePlan>();
-  if (auto s = build_device_plan(plan, args.x.device, kBackwardChunkRows, false, dp.get()); !s.ok()) return s;
+  if (auto s = build_device_plan(plan, args.x.device, options.stream, kBackwardChunkRows, false, dp.get());
+      !s.ok())
+    return s;
   *workspace =
       BackwardBuffers(plan.dims, dnew_mode(plan.dims, options.precision), dp->max_chunk_blocks, nullptr).size;
   *out = std::move(dp);

@@ -53,8 +53,12 @@ struct Chunk {
   bool all_grad = false;            // backward: every row does
 };
 
+// The device arrays are stream-ordered allocations on the plan's stream, freed
+// on it when the plan goes: a one-call entry point can drop its plan right
+// after queueing the work, without waiting for it.
 struct DevicePlan {
   int device = 0;
+  cudaStream_t stream = nullptr;
   DevBatch* batches = nullptr;          // device [B]
   std::int32_t* block_batch = nullptr;  // device [total_blocks]: the batch of each block
   std::vector<DevBatch> host_batches;
@@ -81,7 +85,7 @@ constexpr std::size_t kGemmWorkspace = std::size_t{32} << 20;
 // The device plan shared by both operators; forward chunks visit the blocks
 // whose last row lies in the chunk, backward chunks those with a gradient row
 // in it.
-Status build_device_plan(const BlockPlan& plan, Device dev, std::int64_t chunk_rows, bool forward,
-                         DevicePlan* out);
+Status build_device_plan(const BlockPlan& plan, Device dev, void* stream, std::int64_t chunk_rows,
+                         bool forward, DevicePlan* out);
 
 }  // namespace kvcomp::detail::cuda

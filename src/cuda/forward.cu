@@ -31,11 +31,13 @@ struct ForwardBuffers {
 
 }  // namespace
 
-Status prepare_forward(const ForwardArgs& args, const Options& /*options*/, const BlockPlan& plan,
+Status prepare_forward(const ForwardArgs& args, const Options& options, const BlockPlan& plan,
                        const std::vector<std::int32_t>& block_table, std::shared_ptr<const DevicePlan>* out,
                        std::size_t* workspace) {
   auto dp = std::make_shared<DevicePlan>();
-  if (auto s = build_device_plan(plan, args.x.device, kForwardChunkRows, true, dp.get()); !s.ok()) return s;
+  if (auto s = build_device_plan(plan, args.x.device, options.stream, kForwardChunkRows, true, dp.get());
+      !s.ok())
+    return s;
   CacheGeometry cache;
   cache.block_num = args.state_cache.dim(0);
   cache.block_size = args.state_cache.dim(1);

@@ -148,14 +148,15 @@ void free_async(Device dev, void* stream, void* p) {
 
 DevicePlan::~DevicePlan() {
   DeviceGuard guard(device);
-  cudaFree(batches);
-  cudaFree(block_batch);
+  if (batches) (void)cudaFreeAsync(batches, stream);
+  if (block_batch) (void)cudaFreeAsync(block_batch, stream);
 }
 
-Status build_device_plan(const BlockPlan& plan, Device dev, std::int64_t chunk_rows, bool forward,
-                         DevicePlan* out) {
+Status build_device_plan(const BlockPlan& plan, Device dev, void* stream, std::int64_t chunk_rows,
+                         bool forward, DevicePlan* out) {
   const Dims& d = plan.dims;
   out->device = dev.index;
+  out->stream = static_cast<cudaStream_t>(stream);
   out->chunk_rows = chunk_rows;
   out->total_blocks = plan.total_blocks;
   // Per block: its batch, its last row and its first gradient row (both
@@ -208,20 +209,27 @@ Status build_device_plan(const BlockPlan& plan, Device dev, std::int64_t chunk_r
   if (!guard.status().ok()) return guard.status();
   const std::size_t batch_bytes = std::max<std::size_t>(1, out->host_batches.size()) * sizeof(DevBatch);
   const std::size_t block_bytes = std::max<std::size_t>(1, block_batch.size()) * sizeof(std::int32_t);
-  if (cudaError_t e = cudaMalloc(reinterpret_cast<void**>(&out->batches), batch_bytes); e != cudaSuccess)
-    return cuda_error("allocating the device block plan", e);
-  if (cudaError_t e = cudaMalloc(reinterpret_cast<void**>(&out->block_batch), block_bytes); e != cudaSuccess)
-    return cuda_error("allocating the device block plan", e);
+  const char* what = "allocating and filling the device block plan";
+  cudaStream_t s = out->stream;
+  if (cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(&out->batches), batch_bytes, s);
+      e != cudaSuccess)
+    return cuda_error(what, e);
+  if (cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(&out->block_batch), block_bytes, s);
+      e != cudaSuccess)
+    return cuda_error(what, e);
   if (!out->host_batches.empty())
-    if (cudaError_t e = cudaMemcpy(out->batches, out->host_batches.data(),
-                                   out->host_batches.size() * sizeof(DevBatch), cudaMemcpyHostToDevice);
+    if (cudaError_t e =
+            cudaMemcpyAsync(out->batches, out->host_batches.data(),
+                            out->host_batches.size() * sizeof(DevBatch), cudaMemcpyHostToDevice, s);
         e != cudaSuccess)
-      return cuda_error("copying the block plan to the device", e);
+      return cuda_error(what, e);
   if (!block_batch.empty())
-    if (cudaError_t e = cudaMemcpy(out->block_batch, block_batch.data(),
-                                   block_batch.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice);
+    if (cudaError_t e = cudaMemcpyAsync(out->block_batch, block_batch.data(),
+                                        block_batch.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice, s);
         e != cudaSuccess)
-      return cuda_error("copying the block plan to the device", e);
+      return cuda_error(what, e);
+  // Planning may wait: the host arrays above must outlive the copies.
+  if (cudaError_t e = cudaStreamSynchronize(s); e != cudaSuccess) return cuda_error(what, e);
   return Status::success();
 }
 
