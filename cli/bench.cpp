@@ -96,6 +96,10 @@ Result run_case(const Case& c, const BenchOptions& o) {
 
 }  // namespace
 
+#ifdef KVCOMP_HAVE_CUDA
+int run_bench_cuda(const BenchOptions& o, const std::vector<bench::Case>& cases);  // cli/bench_cuda.cpp
+#endif
+
 int run_bench(const BenchOptions& o) {
   if (o.threads > 0) omp_set_num_threads(o.threads);
   const int threads = o.threads > 0 ? o.threads : omp_get_max_threads();
@@ -107,6 +111,18 @@ int run_bench(const BenchOptions& o) {
       const i64 batches = bench::varlen_batches(p, T, o.varlen);
       if (batches > 1) cases.push_back({p, T, o.hidden, batches});
     }
+  }
+  if (o.device.type == DeviceType::cuda) {
+#ifdef KVCOMP_HAVE_CUDA
+    return run_bench_cuda(o, cases);
+#else
+    print_error(
+        static_cast<int>(StatusCode::invalid_param),
+        "[kvcomp] --device (= " + device_name(o.device) +
+            ") must be cpu: this build of kvcomp has no CUDA backend (configure it with -DKVCOMP_CUDA=ON "
+            "and a CUDA 13 toolkit)");
+    return kExitStatus;
+#endif
   }
   std::printf("kvcomp %s bench: %d threads, H=%lld, bf16 io, precise mode, %s kernels, best of %d\n",
               version(), threads, static_cast<long long>(o.hidden), kernel_isa(), o.repeat);

@@ -54,6 +54,7 @@ struct BenchOptions {
   std::int64_t varlen = 64;  // also a TH case with this many sequences (<= 1: BSH only)
   int repeat = 3;
   int threads = 0;
+  Device device;  // cpu, or a CUDA device (cli/bench_cuda.cpp)
 };
 
 int run_bench(const BenchOptions& o);

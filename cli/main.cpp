@@ -161,7 +161,8 @@ int run(int argc, char** argv) {
   demo->footer(std::string(kDemoFooter) + kExitFooter);
   BenchOptions bench_o;
   CLI::App* bench = app.add_subcommand(
-      "bench", "Time both operators on model shapes against their matrix products alone (oneDNN)");
+      "bench",
+      "Time both operators on model shapes against their matrix products alone (oneDNN; cuBLASLt on a GPU)");
   bench->add_option("--preset", bench_o.preset, "C4A, C4Li, C128A or all")
       ->check(CLI::IsMember({"all", "C4A", "C4Li", "C128A"}))
       ->capture_default_str();
@@ -177,6 +178,7 @@ int run(int argc, char** argv) {
   bench->add_option("--threads", bench_o.threads, "OpenMP threads (0: the OpenMP default)")
       ->check(CLI::Range(0, 4096))
       ->capture_default_str();
+  add_device_option(bench, &bench_o.device);
   bench->footer(kExitFooter);
   CLI::App* info =
       app.add_subcommand("info", "Print the version, the CPU kernels in use and the CUDA devices seen");

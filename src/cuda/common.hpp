@@ -79,9 +79,6 @@ struct DevicePlan {
 constexpr std::int64_t kForwardChunkRows = 16384;
 constexpr std::int64_t kBackwardChunkRows = 4096;
 
-// cuBLASLt's workspace, part of ours.
-constexpr std::size_t kGemmWorkspace = std::size_t{32} << 20;
-
 // The device plan shared by both operators; forward chunks visit the blocks
 // whose last row lies in the chunk, backward chunks those with a gradient row
 // in it.

@@ -3,7 +3,7 @@
 //
 // Written in row-major terms: D[m, n] = alpha * op(A)[m, k] * op(B)[k, n]
 // + beta * D, every matrix row-major with its leading dimension (elements
-// between rows), D in fp32. The algorithm comes from cuBLASLt's heuristic
+// between rows), D in fp32 (or `out`). The algorithm comes from cuBLASLt's heuristic
 // with split-K reductions excluded (no atomics, no reduction kernel), so the
 // same shapes give the same bits on the same GPU and CUDA version.
 #pragma once
@@ -27,10 +27,14 @@ struct GemmCall {
   std::int64_t m, n, k;
   DType in;  // dtype of A and B
   MatRef a, b;
-  float* d;
+  void* d;
   std::int64_t ldd;
   float alpha = 1.0f, beta = 0.0f;
+  DType out = DType::f32;  // dtype of D (and C)
 };
+
+// cuBLASLt's workspace (part of ours): what its Hopper kernels ask for.
+constexpr std::size_t kGemmWorkspace = std::size_t{32} << 20;
 
 Status gemm(const GemmCall& g, void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
 

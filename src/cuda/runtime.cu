@@ -1,7 +1,6 @@
-// The CUDA backend's view of the machine (devices, pointers, errors), the
+// The CUDA backend's view of the machine (devices, pointers), the
 // host copies of index data, and the device copy of the block plan.
 #include <algorithm>
-#include <mutex>
 
 #include "cuda/common.hpp"
 #include "kvcomp/kvcomp.hpp"
@@ -27,54 +26,6 @@ namespace kvcomp::detail::cuda {
 namespace {
 Status invalid(const std::string& msg) { return {StatusCode::invalid_param, "[kvcomp] " + msg}; }
 }  // namespace
-
-Status cuda_error(const char* what, cudaError_t e) {
-  return {StatusCode::runtime_error, std::string("[kvcomp] ") + what + " (= " + cudaGetErrorName(e) + ": " +
-                                         cudaGetErrorString(e) + ") must succeed"};
-}
-
-Status cublas_error(const char* what, cublasStatus_t e) {
-  return {StatusCode::runtime_error, std::string("[kvcomp] ") + what + " (= cuBLAS status " +
-                                         std::to_string(static_cast<int>(e)) + ") must succeed"};
-}
-
-Status launch_status(const char* what) {
-  const cudaError_t e = cudaGetLastError();
-  return e == cudaSuccess ? Status::success() : cuda_error(what, e);
-}
-
-DeviceGuard::DeviceGuard(int device) {
-  if (cudaError_t e = cudaGetDevice(&previous_); e != cudaSuccess) {
-    status_ = cuda_error("cudaGetDevice", e);
-    return;
-  }
-  if (previous_ != device)
-    if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess) status_ = cuda_error("cudaSetDevice", e);
-}
-
-DeviceGuard::~DeviceGuard() {
-  int now = -1;
-  if (previous_ >= 0 && cudaGetDevice(&now) == cudaSuccess && now != previous_)
-    (void)cudaSetDevice(previous_);
-}
-
-Status lt_handle(cublasLtHandle_t* out) {
-  static std::mutex mutex;
-  static std::vector<cublasLtHandle_t> handles;
-  int device = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return cuda_error("cudaGetDevice", e);
-  std::lock_guard<std::mutex> lock(mutex);
-  if (handles.size() <= static_cast<std::size_t>(device))
-    handles.resize(static_cast<std::size_t>(device) + 1);
-  cublasLtHandle_t& h = handles[static_cast<std::size_t>(device)];
-  if (!h)
-    if (cublasStatus_t s = cublasLtCreate(&h); s != CUBLAS_STATUS_SUCCESS) {
-      h = nullptr;
-      return cublas_error("cublasLtCreate", s);
-    }
-  *out = h;
-  return Status::success();
-}
 
 Status check_device_memory(const std::vector<std::pair<const char*, const Tensor*>>& tensors, Device dev) {
   const int count = cuda_device_count();

@@ -20,7 +20,10 @@ class DeviceCopies {
   DeviceCopies& operator=(const DeviceCopies&) = delete;
 
   // Every tensor of the call (outputs included: they are copied too, so the
-  // device sees what the host buffers held) moved to the device.
+  // device sees what the host buffers held) moved to the device. A host
+  // buffer staged before (by this object, for another call) keeps its one
+  // device copy, so a backward staged after its forward reads the forward's
+  // device outputs.
   Status stage(ForwardArgs& a);
   Status stage(BackwardArgs& a);
   // Waits for the device, then copies every staged tensor back.

@@ -1,0 +1,60 @@
+// Errors, the current device and the cuBLASLt handle: what the backend's
+// products and drivers share (also compiled into the CLI's GPU bench, with
+// gemm.cu, as the object library kvcomp_cuda_core).
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "cuda/common.hpp"
+
+namespace kvcomp::detail::cuda {
+
+Status cuda_error(const char* what, cudaError_t e) {
+  return {StatusCode::runtime_error, std::string("[kvcomp] ") + what + " (= " + cudaGetErrorName(e) + ": " +
+                                         cudaGetErrorString(e) + ") must succeed"};
+}
+
+Status cublas_error(const char* what, cublasStatus_t e) {
+  return {StatusCode::runtime_error, std::string("[kvcomp] ") + what + " (= cuBLAS status " +
+                                         std::to_string(static_cast<int>(e)) + ") must succeed"};
+}
+
+Status launch_status(const char* what) {
+  const cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? Status::success() : cuda_error(what, e);
+}
+
+DeviceGuard::DeviceGuard(int device) {
+  if (cudaError_t e = cudaGetDevice(&previous_); e != cudaSuccess) {
+    status_ = cuda_error("cudaGetDevice", e);
+    return;
+  }
+  if (previous_ != device)
+    if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess) status_ = cuda_error("cudaSetDevice", e);
+}
+
+DeviceGuard::~DeviceGuard() {
+  int now = -1;
+  if (previous_ >= 0 && cudaGetDevice(&now) == cudaSuccess && now != previous_)
+    (void)cudaSetDevice(previous_);
+}
+
+Status lt_handle(cublasLtHandle_t* out) {
+  static std::mutex mutex;
+  static std::vector<cublasLtHandle_t> handles;
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return cuda_error("cudaGetDevice", e);
+  std::lock_guard<std::mutex> lock(mutex);
+  if (handles.size() <= static_cast<std::size_t>(device))
+    handles.resize(static_cast<std::size_t>(device) + 1);
+  cublasLtHandle_t& h = handles[static_cast<std::size_t>(device)];
+  if (!h)
+    if (cublasStatus_t s = cublasLtCreate(&h); s != CUBLAS_STATUS_SUCCESS) {
+      h = nullptr;
+      return cublas_error("cublasLtCreate", s);
+    }
+  *out = h;
+  return Status::success();
+}
+
+}  // namespace kvcomp::detail::cuda
