@@ -14,8 +14,8 @@ Per case (C4A, C4Li, C128A) and token count it times, in the same process run:
 * compiled fwd+bwd: the same with ``vectorised_forward`` under torch.compile (inductor), timed after
   its compile warm-up; reported as n/a, with the reason, when torch.compile is missing or fails;
 * kvcomp fwd+bwd: ``kvcomp.torch.compressor`` on the same inputs, where ``import kvcomp.torch`` works
-  and kvcomp runs on the device (today only cpu; on cuda only once ``kvcomp.has_cuda_backend()``
-  exists and says so).
+  and kvcomp runs on the device (cpu; cuda when ``kvcomp.has_cuda_backend()`` says this build has
+  the CUDA backend).
 
 Each time is the mean over ``--repeat`` runs after ``--warmup`` runs: CUDA events on cuda,
 ``time.perf_counter`` after a synchronize elsewhere. Before timing a case, each variant's output is
@@ -144,7 +144,7 @@ def _kvcomp_status(device):
     if device.type == "cuda" and has_cuda is not None and has_cuda():
         return kt, None
     if device.type == "cuda":
-        return None, "kvcomp: n/a (no CUDA backend yet)"
+        return None, "kvcomp: n/a (this build of kvcomp has no CUDA backend)"
     return None, f"kvcomp: n/a (device {device.type} not supported)"
 
 
