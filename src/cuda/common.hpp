@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cuda/backend.hpp"
+#include "cuda/chunk_plan.hpp"
 
 namespace kvcomp::detail::cuda {
 
@@ -40,33 +41,15 @@ class DeviceGuard {
 // process (kept until exit: handles are thread-safe for concurrent matmuls).
 Status lt_handle(cublasLtHandle_t* out);
 
-// One batch as the kernels read it (BatchSpan plus its first block index).
-struct DevBatch {
-  long long base, len, sp, used, limit, k0, nblocks, out_row, first_block;
-};
-
-// One chunk of token rows [a, b) and the blocks its kernels visit.
-struct Chunk {
-  std::int64_t a = 0, b = 0;
-  std::int64_t g_lo = 0, g_hi = 0;  // global block indices [g_lo, g_hi)
-  bool has_grad = false;            // backward: some row of the chunk receives gradient
-  bool all_grad = false;            // backward: every row does
-};
-
-// The device arrays are stream-ordered allocations on the plan's stream, freed
-// on it when the plan goes: a one-call entry point can drop its plan right
-// after queueing the work, without waiting for it.
-struct DevicePlan {
+// The chunk plan and its device copy. The device arrays are stream-ordered
+// allocations on the plan's stream, freed on it when the plan goes: a
+// one-call entry point can drop its plan right after queueing the work,
+// without waiting for it.
+struct DevicePlan : ChunkPlan {
   int device = 0;
   cudaStream_t stream = nullptr;
-  DevBatch* batches = nullptr;          // device [B]
-  std::int32_t* block_batch = nullptr;  // device [total_blocks]: the batch of each block
-  std::vector<DevBatch> host_batches;
-  std::int64_t total_blocks = 0;
-  std::int64_t chunk_rows = 0;
-  std::vector<Chunk> chunks;
-  std::int64_t max_chunk_blocks = 0;
-  bool serial = false;  // forward: cache slots alias, so writes and reads keep the spec's order
+  DevBatch* dev_batches = nullptr;          // device copy of batches
+  std::int32_t* dev_block_batch = nullptr;  // device copy of block_batch
 
   DevicePlan() = default;
   DevicePlan(const DevicePlan&) = delete;
@@ -74,14 +57,7 @@ struct DevicePlan {
   ~DevicePlan();
 };
 
-// Token rows per chunk of each operator. Fixed (never chosen at run time), so
-// results depend on the inputs only and the workspace is bounded.
-constexpr std::int64_t kForwardChunkRows = 16384;
-constexpr std::int64_t kBackwardChunkRows = 4096;
-
-// The device plan shared by both operators; forward chunks visit the blocks
-// whose last row lies in the chunk, backward chunks those with a gradient row
-// in it.
+// The chunk plan (make_chunk_plan) and its copy on the device.
 Status build_device_plan(const BlockPlan& plan, Device dev, void* stream, std::int64_t chunk_rows,
                          bool forward, DevicePlan* out);
 

@@ -13,7 +13,7 @@
 
 #include <cstdint>
 
-#include "cuda/common.hpp"
+#include "cuda/chunk_plan.hpp"
 
 namespace kvcomp::detail::cuda {
 

@@ -174,7 +174,7 @@ class IndexData {
     return (copies_->*copy).data();
   }
   const SequenceArgs& a_;
-  const Options& o_;
+  [[maybe_unused]] const Options& o_;  // the stream of the copies (CUDA builds)
   const std::optional<Tensor>* table_;
   IndexCopies* copies_;
 };

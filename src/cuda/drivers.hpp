@@ -1,0 +1,250 @@
+// The CUDA backend's two drivers, written once over an executor: the chunk
+// loops, the workspace layout and every product and phase they issue. The
+// backend runs them with CudaExec (cuda/forward.cu, cuda/backward.cu: kernels
+// and cuBLASLt on a stream); tests/cuda/test_cuda_logic.cpp runs them with a
+// host executor (the thread bodies of cuda/kernel_bodies.hpp in loops, plain
+// products), so the whole walk is checked against the oracle on any machine.
+//
+// An executor provides:
+//   Status gemm(const GemmCall&)            D = alpha op(A) op(B) + beta D (cuda/gemm.hpp)
+//   Status zero(void*, std::size_t bytes)
+//   Status forward_blocks(const ForwardKernelArgs&, g_lo, g_hi)
+//   Status cache_writes(const ForwardKernelArgs&, row_lo, row_hi)
+//   Status zero_padding(const ForwardKernelArgs&)
+//   Status backward_blocks(const BackwardKernelArgs&, g_lo, g_hi, a, b)
+//   Status dape_accumulate(const double* partials, blocks, n, double* dape)
+//   Status gradient_rows(const Geometry&, const void* src, bool src_f32, void* dst, a, b, H)
+//   Status narrow(const float*, void*, DType, n)
+//   Status f64_to_f32(const double*, float*, n)
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "core/workspace.hpp"
+#include "cuda/chunk_plan.hpp"
+#include "cuda/gemm.hpp"
+#include "cuda/kernels.hpp"
+
+namespace kvcomp::detail::cuda {
+
+struct ForwardBuffers {
+  std::int64_t panel_ld = 0;
+  float* panel =
+      nullptr;  // [chunk + coff*r, panel_ld]: kv | score projections of a chunk and the rows before it
+  void* gemm_ws = nullptr;
+  std::size_t size = 0;
+
+  ForwardBuffers(const Dims& d, void* base) {
+    AlignedLayout<256> ws(base);
+    const std::int64_t rows = std::min(kForwardChunkRows, std::max<std::int64_t>(d.T, 1)) + d.coff * d.r;
+    panel_ld = (2 * d.C + 3) / 4 * 4;  // 16-byte rows
+    panel = ws.take<float>(rows * panel_ld);
+    gemm_ws = ws.take<unsigned char>(static_cast<std::int64_t>(kGemmWorkspace));
+    size = ws.size();
+  }
+};
+
+inline DnewMode dnew_mode(const Dims& d, Precision p) {
+  if (d.io == DType::f32) return DnewMode::f32;
+  return p == Precision::npu_parity ? DnewMode::parity16 : DnewMode::precise16;
+}
+
+// precise16 keeps d_new as hi + lo / scale, both in the io dtype: scale is
+// 2^(mantissa bits + 1) of the io dtype, so lo spans the bits below hi's.
+inline float lo_scale(DType io) { return io == DType::f16 ? 2048.0f : 256.0f; }
+
+struct BackwardBuffers {
+  std::int64_t R = 0, dnew_ld = 0;
+  std::size_t dnew_elem = 0;
+  void* dnew_hi = nullptr;     // [R, dnew_ld]: d_new_kv | d_new_score (fp32, or io)
+  void* dnew_lo = nullptr;     // precise16: the low parts
+  void* xm = nullptr;          // [R, H] io: x rows, zero where a row gets no gradient
+  float* dxf = nullptr;        // [R, H]: d_x of the chunk in fp32
+  float* dwf = nullptr;        // [2C, H]: d_wkv rows then d_wgate rows, fp32 accumulators
+  double* dape = nullptr;      // [r, C] float64 accumulator
+  double* partials = nullptr;  // [max chunk blocks, r, C]
+  void* gemm_ws = nullptr;
+  std::size_t size = 0;
+
+  BackwardBuffers(const Dims& d, DnewMode mode, std::int64_t max_chunk_blocks, void* base) {
+    AlignedLayout<256> ws(base);
+    R = std::min(kBackwardChunkRows, std::max<std::int64_t>(d.T, 1));
+    dnew_ld = (2 * d.C + 7) / 8 * 8;  // 16-byte rows in any dtype
+    dnew_elem = mode == DnewMode::f32 ? sizeof(float) : dtype_size(d.io);
+    const auto dnew_bytes = static_cast<std::int64_t>(static_cast<std::size_t>(R * dnew_ld) * dnew_elem);
+    dnew_hi = ws.take<unsigned char>(dnew_bytes);
+    dnew_lo = mode == DnewMode::precise16 ? ws.take<unsigned char>(dnew_bytes) : nullptr;
+    xm = ws.take<unsigned char>(
+        static_cast<std::int64_t>(static_cast<std::size_t>(R * d.H) * dtype_size(d.io)));
+    dxf = ws.take<float>(R * d.H);
+    dwf = ws.take<float>(2 * d.C * d.H);
+    dape = ws.take<double>(d.r * d.C);
+    partials = ws.take<double>(std::max<std::int64_t>(1, max_chunk_blocks) * d.r * d.C);
+    gemm_ws = ws.take<unsigned char>(static_cast<std::int64_t>(kGemmWorkspace));
+    size = ws.size();
+  }
+};
+
+// The forward of a validated call with T > 0. batches / block_batch: the
+// chunk plan's arrays where the executor's phases read them.
+template <typename Exec>
+Status run_forward_chunks(Exec& ex, const ForwardArgs& args, const BlockPlan& plan, const ChunkPlan& cp,
+                          const DevBatch* batches, const std::int32_t* block_batch, void* workspace) {
+  const Dims& d = plan.dims;
+  ForwardBuffers buf(d, AlignedLayout<256>::align(workspace));
+  ForwardKernelArgs p;
+  p.g = {batches, block_batch, d.B, d.D, d.C, d.r, d.coff, d.io};
+  p.panel = buf.panel;
+  p.panel_ld = buf.panel_ld;
+  p.ape = static_cast<const float*>(args.ape.data);
+  p.cache = static_cast<float*>(args.state_cache.data);
+  p.block_size = args.state_cache.dim(1);
+  p.block_num = args.state_cache.dim(0);
+  p.cache_stride0 = args.state_cache_stride0 ? args.state_cache_stride0 : p.block_size * 2 * d.C;
+  p.table = static_cast<const std::int32_t*>(args.state_block_table->data);
+  p.table_cols = args.cache_mode == 1 ? args.state_block_table->dim(1) : 1;
+  p.cache_mode = static_cast<int>(args.cache_mode);
+  p.cmp_kv = args.cmp_kv.data;
+  p.softmax_score = args.grad_enabled ? static_cast<float*>(args.softmax_score.data) : nullptr;
+  p.kv = args.grad_enabled ? static_cast<float*>(args.kv.data) : nullptr;
+  p.out_rows = args.cmp_kv.dim(0) * (d.layout == Layout::bsh ? args.cmp_kv.dim(1) : 1);
+  p.bsh_rows = d.layout == Layout::bsh ? compressed_rows_bsh(d.S, d.r) : 0;
+  p.total_blocks = plan.total_blocks;
+
+  const std::size_t io_size = dtype_size(d.io);
+  const std::int64_t carry = d.coff * d.r;  // rows before a chunk its blocks may read
+  for (const Chunk& c : cp.chunks) {
+    // [new_kv | new_score] = x . [wkv ; wgate]^T for rows [first, b): the
+    // chunk and the carried rows before it (recomputed, not kept).
+    const std::int64_t first = std::max<std::int64_t>(0, c.a - carry), n = c.b - first;
+    const void* x_rows =
+        static_cast<const unsigned char*>(args.x.data) + static_cast<std::size_t>(first * d.H) * io_size;
+    for (int half = 0; half < 2; ++half) {
+      GemmCall g{n,
+                 d.C,
+                 d.H,
+                 d.io,
+                 {x_rows, d.H, false},
+                 {half ? args.wgate.data : args.wkv.data, d.H, true},
+                 buf.panel + half * d.C,
+                 buf.panel_ld};
+      if (auto s = ex.gemm(g); !s.ok()) return s;
+    }
+    p.panel_first = first;
+    if (!cp.serial) {
+      // No cache slot is both written and read (or written twice): any order gives the spec's result.
+      if (auto s = ex.cache_writes(p, c.a, c.b); !s.ok()) return s;
+      if (auto s = ex.forward_blocks(p, c.g_lo, c.g_hi); !s.ok()) return s;
+      continue;
+    }
+    // Aliasing slots: the spec's order, batch after batch, a batch's writes before its reads.
+    for (const DevBatch& s : cp.batches) {
+      if (s.base + s.len <= c.a) continue;
+      if (s.base >= c.b) break;
+      if (auto st = ex.cache_writes(p, std::max<std::int64_t>(c.a, s.base),
+                                    std::min<std::int64_t>(c.b, s.base + s.len));
+          !st.ok())
+        return st;
+      const std::int64_t lo = std::max<std::int64_t>(c.g_lo, s.first_block);
+      const std::int64_t hi = std::min<std::int64_t>(c.g_hi, s.first_block + s.nblocks);
+      if (auto st = ex.forward_blocks(p, lo, hi); !st.ok()) return st;
+    }
+  }
+  return ex.zero_padding(p);
+}
+
+// The backward of a validated call with at least one block.
+template <typename Exec>
+Status run_backward_chunks(Exec& ex, const BackwardArgs& args, const BlockPlan& plan, Precision precision,
+                           const ChunkPlan& cp, const DevBatch* batches, const std::int32_t* block_batch,
+                           void* workspace) {
+  const Dims& d = plan.dims;
+  const std::int64_t H = d.H, C = d.C;
+  const std::size_t io_size = dtype_size(d.io);
+  const DnewMode mode = dnew_mode(d, precision);
+  BackwardBuffers buf(d, mode, cp.max_chunk_blocks, AlignedLayout<256>::align(workspace));
+  if (auto s = ex.zero(buf.dwf, static_cast<std::size_t>(2 * C * H) * sizeof(float)); !s.ok()) return s;
+  if (auto s = ex.zero(buf.dape, static_cast<std::size_t>(d.r * C) * sizeof(double)); !s.ok()) return s;
+
+  BackwardKernelArgs p;
+  p.g = {batches, block_batch, d.B, d.D, C, d.r, d.coff, d.io};
+  p.d_cmp_kv = args.d_cmp_kv.data;
+  p.softmax_score = static_cast<const float*>(args.softmax_score.data);
+  p.kv = static_cast<const float*>(args.kv.data);
+  p.mode = mode;
+  p.dnew_hi = buf.dnew_hi;
+  p.dnew_lo = buf.dnew_lo;
+  p.dnew_ld = buf.dnew_ld;
+  p.lo_scale = lo_scale(d.io);
+  p.partials = buf.partials;
+
+  auto at_col = [&](void* m, std::int64_t col) {
+    return static_cast<unsigned char*>(m) + col * buf.dnew_elem;
+  };
+  void* parts[2] = {buf.dnew_hi, buf.dnew_lo};
+  const float alphas[2] = {1.0f, 1.0f / p.lo_scale};
+  const int nparts = mode == DnewMode::precise16 ? 2 : 1;
+
+  for (const Chunk& c : cp.chunks) {
+    const std::int64_t n = c.b - c.a;
+    auto* dx_rows = static_cast<unsigned char*>(args.d_x.data) + static_cast<std::size_t>(c.a * H) * io_size;
+    if (!c.has_grad) {
+      if (auto s = ex.zero(dx_rows, static_cast<std::size_t>(n * H) * io_size); !s.ok()) return s;
+      continue;
+    }
+    const std::size_t dnew_bytes = static_cast<std::size_t>(n * buf.dnew_ld) * buf.dnew_elem;
+    for (int i = 0; i < nparts; ++i)
+      if (auto s = ex.zero(parts[i], dnew_bytes); !s.ok()) return s;
+    if (auto s = ex.backward_blocks(p, c.g_lo, c.g_hi, c.a, c.b); !s.ok()) return s;
+    if (auto s = ex.dape_accumulate(buf.partials, c.g_hi - c.g_lo, d.r * C, buf.dape); !s.ok()) return s;
+
+    // x rows without gradient are zeroed so that 0 * Inf/NaN in them cannot
+    // leak into d_wkv / d_wgate (the NPU kernel does the same).
+    const void* x_rows =
+        static_cast<const unsigned char*>(args.x.data) + static_cast<std::size_t>(c.a * H) * io_size;
+    if (!c.all_grad) {
+      if (auto s = ex.gradient_rows(p.g, x_rows, false, buf.xm, c.a, c.b, H); !s.ok()) return s;
+      x_rows = buf.xm;
+    }
+    // d_x rows = sum over halves and parts of d_new[:, half] . w_half
+    bool first = true;
+    for (int i = 0; i < nparts; ++i)
+      for (int half = 0; half < 2; ++half) {
+        GemmCall g{n,
+                   H,
+                   C,
+                   d.io,
+                   {at_col(parts[i], half * C), buf.dnew_ld, false},
+                   {half ? args.wgate.data : args.wkv.data, H, false},
+                   buf.dxf,
+                   H,
+                   alphas[i],
+                   first ? 0.0f : 1.0f};
+        if (auto s = ex.gemm(g); !s.ok()) return s;
+        first = false;
+      }
+    if (auto s = ex.gradient_rows(p.g, buf.dxf, true, dx_rows, c.a, c.b, H); !s.ok()) return s;
+    // [d_wkv ; d_wgate] += d_new[:, half]^T . x rows
+    for (int i = 0; i < nparts; ++i)
+      for (int half = 0; half < 2; ++half) {
+        GemmCall g{C,
+                   H,
+                   n,
+                   d.io,
+                   {at_col(parts[i], half * C), buf.dnew_ld, true},
+                   {x_rows, H, false},
+                   buf.dwf + half * C * H,
+                   H,
+                   alphas[i],
+                   1.0f};
+        if (auto s = ex.gemm(g); !s.ok()) return s;
+      }
+  }
+  if (auto s = ex.narrow(buf.dwf, args.d_wkv.data, d.io, C * H); !s.ok()) return s;
+  if (auto s = ex.narrow(buf.dwf + C * H, args.d_wgate.data, d.io, C * H); !s.ok()) return s;
+  return ex.f64_to_f32(buf.dape, static_cast<float*>(args.d_ape.data), d.r * C);
+}
+
+}  // namespace kvcomp::detail::cuda
