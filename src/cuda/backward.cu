@@ -25,12 +25,6 @@ Status run_backward(const BackwardArgs& args, const Options& options, const Bloc
               BackwardBuffers(d, dnew_mode(d, options.precision), dev.max_chunk_blocks,
                               AlignedLayout<256>::align(workspace))
                   .gemm_ws};
-  if (plan.total_blocks == 0) {  // spec 2.7: four all-zero outputs, whatever the memory held
-    for (const Tensor* t : {&args.d_x, &args.d_wkv, &args.d_wgate, &args.d_ape})
-      if (auto s = ex.zero(t->data, static_cast<std::size_t>(t->numel()) * dtype_size(t->dtype)); !s.ok())
-        return s;
-    return Status::success();
-  }
   return run_backward_chunks(ex, args, plan, options.precision, dev, dev.dev_batches, dev.dev_block_batch,
                              workspace);
 }

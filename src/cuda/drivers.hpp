@@ -87,12 +87,13 @@ struct BackwardBuffers {
   }
 };
 
-// The forward of a validated call with T > 0. batches / block_batch: the
-// chunk plan's arrays where the executor's phases read them.
+// The forward of a validated call. batches / block_batch: the chunk plan's
+// arrays where the executor's phases read them.
 template <typename Exec>
 Status run_forward_chunks(Exec& ex, const ForwardArgs& args, const BlockPlan& plan, const ChunkPlan& cp,
                           const DevBatch* batches, const std::int32_t* block_batch, void* workspace) {
   const Dims& d = plan.dims;
+  if (d.T == 0) return Status::success();  // empty input: nothing computed, cache untouched
   ForwardBuffers buf(d, AlignedLayout<256>::align(workspace));
   ForwardKernelArgs p;
   p.g = {batches, block_batch, d.B, d.D, d.C, d.r, d.coff, d.io};
@@ -155,12 +156,18 @@ Status run_forward_chunks(Exec& ex, const ForwardArgs& args, const BlockPlan& pl
   return ex.zero_padding(p);
 }
 
-// The backward of a validated call with at least one block.
+// The backward of a validated call.
 template <typename Exec>
 Status run_backward_chunks(Exec& ex, const BackwardArgs& args, const BlockPlan& plan, Precision precision,
                            const ChunkPlan& cp, const DevBatch* batches, const std::int32_t* block_batch,
                            void* workspace) {
   const Dims& d = plan.dims;
+  if (plan.total_blocks == 0) {  // spec 2.7: four all-zero outputs, whatever the memory held
+    for (const Tensor* t : {&args.d_x, &args.d_wkv, &args.d_wgate, &args.d_ape})
+      if (auto s = ex.zero(t->data, static_cast<std::size_t>(t->numel()) * dtype_size(t->dtype)); !s.ok())
+        return s;
+    return Status::success();
+  }
   const std::int64_t H = d.H, C = d.C;
   const std::size_t io_size = dtype_size(d.io);
   const DnewMode mode = dnew_mode(d, precision);

@@ -26,7 +26,6 @@ Status prepare_forward(const ForwardArgs& args, const Options& options, const Bl
 
 Status run_forward(const ForwardArgs& args, const Options& options, const BlockPlan& plan,
                    const DevicePlan& dev, void* workspace) {
-  if (plan.dims.T == 0) return Status::success();  // empty input: nothing computed, cache untouched
   DeviceGuard guard(dev.device);
   if (!guard.status().ok()) return guard.status();
   CudaExec ex{static_cast<cudaStream_t>(options.stream),

@@ -8,8 +8,8 @@
 #include <cstring>
 #include <random>
 
+#include "cuda_sweep.hpp"
 #include "device_mirror.hpp"
-#include "sweep.hpp"
 
 namespace kvcomp::test {
 namespace {
@@ -95,31 +95,6 @@ TEST_P(CudaSweep, Deterministic) {
     EXPECT_EQ(bytes_of(b1.d_wgate), bytes_of(b2.d_wgate));
     EXPECT_EQ(bytes_of(b1.d_ape), bytes_of(b2.d_ape));
   }
-}
-
-// The CPU sweep, plus cases longer than the GPU's chunks (16384 rows forward,
-// 4096 backward) so that blocks and their prev halves straddle them.
-std::vector<SweepCase> cuda_sweep() {
-  std::vector<SweepCase> v = sweep();
-  v.push_back({.name = "gpu_chunks_th_r5_coff2",
-               .th = true,
-               .B = 3,
-               .S = 9000,
-               .H = 16,
-               .D = 8,
-               .r = 5,
-               .max_start_pos = 12,
-               .allow_empty_segments = false});
-  v.push_back({.name = "gpu_chunks_bsh_r600_coff2",
-               .B = 1,
-               .S = 17500,
-               .H = 8,
-               .D = 4,
-               .r = 600,
-               .max_start_pos = 650});
-  v.push_back(
-      {.name = "gpu_chunks_tiny_th", .th = true, .B = 3000, .S = 12, .H = 8, .D = 8, .max_start_pos = 9});
-  return v;
 }
 
 INSTANTIATE_TEST_SUITE_P(Issue11, CudaSweep, ::testing::ValuesIn(cuda_sweep()),

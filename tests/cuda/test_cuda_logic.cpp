@@ -1,0 +1,194 @@
+// The CUDA backend's drivers and thread bodies run on the host (any machine,
+// CI included): cuda/drivers.hpp with an executor that calls the bodies of
+// cuda/kernel_bodies.hpp in loops over the launch grid and does the products
+// with plain loops. Everything but the CUDA calls themselves (launch
+// configuration, cuBLASLt's layouts) is checked here against the float64
+// oracle, over the GPU suite's sweep; the GPU suite (test_ops_cuda.cpp) then
+// checks the real thing.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <memory>
+
+#include "cuda/drivers.hpp"
+#include "cuda/kernel_bodies.hpp"
+#include "cuda_sweep.hpp"
+#include "validate/validate.hpp"
+
+namespace kvcomp::test {
+namespace {
+
+using ::kvcomp::detail::BlockPlan;
+using namespace ::kvcomp::detail::cuda;
+using i64 = std::int64_t;
+
+double load(const void* p, i64 i, DType dt) { return body::load_io(p, i, dt); }
+
+struct HostExec {
+  Status gemm(const GemmCall& g) {
+    for (i64 i = 0; i < g.m; ++i)
+      for (i64 j = 0; j < g.n; ++j) {
+        double acc = 0;
+        for (i64 k = 0; k < g.k; ++k) {
+          const double a = load(g.a.data, g.a.transposed ? k * g.a.ld + i : i * g.a.ld + k, g.in);
+          const double b = load(g.b.data, g.b.transposed ? j * g.b.ld + k : k * g.b.ld + j, g.in);
+          acc += a * b;
+        }
+        const i64 at = i * g.ldd + j;
+        const float prev = g.beta != 0.0f ? static_cast<float>(load(g.d, at, g.out)) : 0.0f;
+        body::store_io(g.d, at, g.out, g.alpha * static_cast<float>(acc) + g.beta * prev);
+      }
+    return Status::success();
+  }
+  Status zero(void* p, std::size_t bytes) {
+    if (bytes) std::memset(p, 0, bytes);
+    return Status::success();
+  }
+  Status forward_blocks(const ForwardKernelArgs& p, i64 lo, i64 hi) {
+    for (i64 blk = lo; blk < hi; ++blk)
+      for (i64 d = 0; d < p.g.D; ++d) body::forward_block(p, blk, d);
+    return Status::success();
+  }
+  Status cache_writes(const ForwardKernelArgs& p, i64 lo, i64 hi) {
+    for (i64 row = lo; row < hi; ++row)
+      for (i64 col = 0; col < 2 * p.g.C; ++col) body::cache_write(p, row, col);
+    return Status::success();
+  }
+  Status zero_padding(const ForwardKernelArgs& p) {
+    for (i64 row = 0; row < p.out_rows; ++row)
+      for (i64 d = 0; d < p.g.D; ++d) body::zero_padding(p, row, d);
+    return Status::success();
+  }
+  Status backward_blocks(const BackwardKernelArgs& p, i64 lo, i64 hi, i64 a, i64 b) {
+    for (i64 blk = lo; blk < hi; ++blk)
+      for (i64 d = 0; d < p.g.D; ++d) body::backward_block(p, lo, blk, d, a, b);
+    return Status::success();
+  }
+  Status dape_accumulate(const double* partials, i64 blocks, i64 n, double* dape) {
+    for (i64 i = 0; i < n; ++i) body::dape_accumulate(partials, blocks, n, dape, i);
+    return Status::success();
+  }
+  Status gradient_rows(const Geometry& g, const void* src, bool src_f32, void* dst, i64 a, i64 b, i64 H) {
+    for (i64 i = 0; i < b - a; ++i)
+      for (i64 h = 0; h < H; ++h) body::gradient_row(g, src, src_f32, dst, a, H, i, h);
+    return Status::success();
+  }
+  Status narrow(const float* src, void* dst, DType io, i64 n) {
+    for (i64 i = 0; i < n; ++i) body::narrow(src, dst, io, i);
+    return Status::success();
+  }
+  Status f64_to_f32(const double* src, float* dst, i64 n) {
+    for (i64 i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+    return Status::success();
+  }
+};
+
+std::unique_ptr<unsigned char[]> workspace(std::size_t bytes) {
+  return std::make_unique<unsigned char[]>(bytes);
+}
+
+::kvcomp::detail::CacheGeometry cache_geometry(const ForwardArgs& a) {
+  return {a.state_cache.dim(0), a.state_cache.dim(1), static_cast<int>(a.cache_mode),
+          static_cast<const std::int32_t*>(a.state_block_table->data),
+          a.cache_mode == 1 ? a.state_block_table->dim(1) : 1};
+}
+
+// The CUDA forward on the host: validation, the chunk plan and the aliasing
+// decision as planning makes them, then the driver.
+Status emulate(ForwardRun& r, const Options& o) {
+  BlockPlan bp;
+  if (auto s = ::kvcomp::detail::validate_forward(r.args, o, &bp); !s.ok()) return s;
+  ChunkPlan cp = make_chunk_plan(bp, kForwardChunkRows, true);
+  const ForwardArgs& a = r.args;
+  cp.serial = ::kvcomp::detail::cache_slots_alias(bp, cache_geometry(a));
+  const std::size_t bytes = ForwardBuffers(bp.dims, nullptr).size;
+  auto ws = workspace(bytes);
+  HostExec ex;
+  return run_forward_chunks(ex, a, bp, cp, cp.batches.data(), cp.block_batch.data(), ws.get());
+}
+
+Status emulate(BackwardRun& r, const Options& o) {
+  BlockPlan bp;
+  if (auto s = ::kvcomp::detail::validate_backward(r.args, o, &bp); !s.ok()) return s;
+  const ChunkPlan cp = make_chunk_plan(bp, kBackwardChunkRows, false);
+  const std::size_t bytes =
+      BackwardBuffers(bp.dims, dnew_mode(bp.dims, o.precision), cp.max_chunk_blocks, nullptr).size;
+  auto ws = workspace(bytes);
+  HostExec ex;
+  return run_backward_chunks(ex, r.args, bp, o.precision, cp, cp.batches.data(), cp.block_batch.data(),
+                             ws.get());
+}
+
+std::vector<std::uint8_t> bytes_of(Buffer& b) {
+  const auto* p = static_cast<const std::uint8_t*>(b.data());
+  return {p, p + b.size() * (b.dtype == DType::f32 || b.dtype == DType::i32 ? 4 : 2)};
+}
+
+class CudaLogic : public ::testing::TestWithParam<SweepCase> {};
+
+TEST_P(CudaLogic, ForwardMatchesOracle) {
+  check_forward(GetParam(), [](ForwardRun& r, const Options& o) { return emulate(r, o); });
+}
+
+TEST_P(CudaLogic, BackwardThreeWay) {
+  check_backward(GetParam(), [](BackwardRun& r, const Options& o) { return emulate(r, o); });
+}
+
+// The block formulas are the CPU's, operation for operation: for the same
+// backward inputs d_ape (which no product touches) is the CPU's, bit for bit,
+// in both precision modes.
+TEST_P(CudaLogic, DapeIsTheCpusBitwise) {
+  const SweepCase& c = GetParam();
+  auto rc = make_random_case(c.options(), c.forward_seed);
+  round_io_inputs(rc.in, c.io);
+  const BackwardData bd = make_backward_data(rc.problem, rc.in, c.io, c.backward_data_seed);
+  for (Precision prec : {Precision::precise, Precision::npu_parity}) {
+    Options o;
+    o.precision = prec;
+    BackwardRun cpu(rc.problem, rc.in, bd, c.io), emu(rc.problem, rc.in, bd, c.io);
+    ASSERT_TRUE(cpu.run(o).ok());
+    ASSERT_TRUE(emulate(emu, o).ok());
+    EXPECT_EQ(bytes_of(emu.d_ape), bytes_of(cpu.d_ape));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Issue11, CudaLogic, ::testing::ValuesIn(cuda_sweep()),
+                         [](const auto& tp) { return tp.param.name; });
+
+// Tables whose batches share cache blocks take the serial path; its result is the CPU's.
+TEST(CudaLogicCache, SharedBlocksFollowTheSpecOrderLikeTheCpu) {
+  for (int mode : {1, 2}) {
+    SweepCase c{.name = "alias",
+                .B = 3,
+                .S = 12,
+                .H = 16,
+                .D = 8,
+                .cache_mode = mode,
+                .block_size = 32,
+                .start_pos = {5, 9, 14},
+                .random_seqused = false};
+    auto rc = make_random_case(c.options(), c.forward_seed);
+    round_io_inputs(rc.in, c.io);
+    ForwardRun cpu(rc.problem, rc.in, c.io), emu(rc.problem, rc.in, c.io);
+    for (ForwardRun* r : {&cpu, &emu}) {
+      const std::size_t cols = mode == 1 ? static_cast<std::size_t>(r->args.state_block_table->dim(1)) : 1;
+      for (std::size_t i = 0; i < cols; ++i)
+        if (r->table.i32[i] == 0) r->table.i32[i] = 1;
+      for (std::size_t b = 1; b < 3; ++b)
+        for (std::size_t i = 0; i < cols; ++i) r->table.i32[b * cols + i] = r->table.i32[i];
+    }
+    BlockPlan bp;
+    ASSERT_TRUE(::kvcomp::detail::validate_forward(emu.args, {}, &bp).ok());
+    ASSERT_TRUE(::kvcomp::detail::cache_slots_alias(bp, cache_geometry(emu.args)))
+        << "mode " << mode << ": not the serial path";
+    ASSERT_TRUE(cpu.run().ok());
+    ASSERT_TRUE(emulate(emu, {}).ok());
+    const auto tw = two_way_compare(emu.cmp_kv.values(), cpu.cmp_kv.values(), c.io);
+    EXPECT_TRUE(tw.pass) << "mode " << mode << " cmp_kv: " << tw.summary();
+    const auto tc = two_way_compare(emu.cache.values(), cpu.cache.values(), c.io);
+    EXPECT_TRUE(tc.pass) << "mode " << mode << " cache: " << tc.summary();
+  }
+}
+
+}  // namespace
+}  // namespace kvcomp::test
