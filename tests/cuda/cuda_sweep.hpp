@@ -2,6 +2,7 @@
 // (tests/core/sweep.hpp) plus cases longer than the GPU's chunks.
 #pragma once
 
+#include <functional>
 #include <vector>
 
 #include "sweep.hpp"
@@ -31,6 +32,43 @@ inline std::vector<SweepCase> cuda_sweep() {
   v.push_back(
       {.name = "gpu_chunks_tiny_th", .th = true, .B = 3000, .S = 12, .H = 8, .D = 8, .max_start_pos = 9});
   return v;
+}
+
+// Tables whose batches share cache blocks (every batch's row is batch 0's, so
+// batch 1 reads slots batch 0 writes): the forward run by `run` must give the
+// CPU backend's result, which follows the spec's order. `inspect` sees the
+// run's arguments before it runs.
+inline void check_shared_cache_blocks(const ForwardRunner& run,
+                                      const std::function<void(const ForwardRun&)>& inspect = {}) {
+  for (int mode : {1, 2}) {
+    SweepCase c{.name = "alias",
+                .B = 3,
+                .S = 12,
+                .H = 16,
+                .D = 8,
+                .cache_mode = mode,
+                .block_size = 32,
+                .start_pos = {5, 9, 14},
+                .random_seqused = false};
+    auto rc = make_random_case(c.options(), c.forward_seed);
+    round_io_inputs(rc.in, c.io);
+    ForwardRun cpu(rc.problem, rc.in, c.io), ours(rc.problem, rc.in, c.io);
+    for (ForwardRun* r : {&cpu, &ours}) {
+      const std::size_t cols = mode == 1 ? static_cast<std::size_t>(r->args.state_block_table->dim(1)) : 1;
+      for (std::size_t i = 0; i < cols; ++i)
+        if (r->table.i32[i] == 0) r->table.i32[i] = 1;
+      for (std::size_t b = 1; b < 3; ++b)
+        for (std::size_t i = 0; i < cols; ++i) r->table.i32[b * cols + i] = r->table.i32[i];
+    }
+    if (inspect) inspect(ours);
+    ASSERT_TRUE(cpu.run().ok());
+    const Status s = run(ours, {});
+    ASSERT_TRUE(s.ok()) << s.message;
+    const auto tw = two_way_compare(ours.cmp_kv.values(), cpu.cmp_kv.values(), c.io);
+    EXPECT_TRUE(tw.pass) << "mode " << mode << " cmp_kv: " << tw.summary();
+    const auto tc = two_way_compare(ours.cache.values(), cpu.cache.values(), c.io);
+    EXPECT_TRUE(tc.pass) << "mode " << mode << " cache: " << tc.summary();
+  }
 }
 
 }  // namespace kvcomp::test

@@ -92,22 +92,19 @@ inline void move_backward(DeviceMirror& m, BackwardArgs& a) {
   m.move(a.d_ape, true);
 }
 
+inline void move_args(DeviceMirror& m, ForwardArgs& a) { move_forward(m, a); }
+inline void move_args(DeviceMirror& m, BackwardArgs& a) { move_backward(m, a); }
+inline Status call(const ForwardArgs& a, const Options& o) { return compressor_forward(a, o); }
+inline Status call(const BackwardArgs& a, const Options& o) { return compressor_backward(a, o); }
+
 // The one-call entry points on the GPU (the default stream); results land in
 // the run's host buffers.
-inline Status on_gpu(ForwardRun& r, const Options& o) {
-  ForwardArgs a = r.args;
+template <typename Run>
+Status on_gpu(Run& r, const Options& o) {
+  auto a = r.args;
   DeviceMirror m;
-  move_forward(m, a);
-  const Status s = compressor_forward(a, o);
-  m.copy_back();
-  return s;
-}
-
-inline Status on_gpu(BackwardRun& r, const Options& o) {
-  BackwardArgs a = r.args;
-  DeviceMirror m;
-  move_backward(m, a);
-  const Status s = compressor_backward(a, o);
+  move_args(m, a);
+  const Status s = call(a, o);
   m.copy_back();
   return s;
 }

@@ -157,37 +157,13 @@ INSTANTIATE_TEST_SUITE_P(Issue11, CudaLogic, ::testing::ValuesIn(cuda_sweep()),
 
 // Tables whose batches share cache blocks take the serial path; its result is the CPU's.
 TEST(CudaLogicCache, SharedBlocksFollowTheSpecOrderLikeTheCpu) {
-  for (int mode : {1, 2}) {
-    SweepCase c{.name = "alias",
-                .B = 3,
-                .S = 12,
-                .H = 16,
-                .D = 8,
-                .cache_mode = mode,
-                .block_size = 32,
-                .start_pos = {5, 9, 14},
-                .random_seqused = false};
-    auto rc = make_random_case(c.options(), c.forward_seed);
-    round_io_inputs(rc.in, c.io);
-    ForwardRun cpu(rc.problem, rc.in, c.io), emu(rc.problem, rc.in, c.io);
-    for (ForwardRun* r : {&cpu, &emu}) {
-      const std::size_t cols = mode == 1 ? static_cast<std::size_t>(r->args.state_block_table->dim(1)) : 1;
-      for (std::size_t i = 0; i < cols; ++i)
-        if (r->table.i32[i] == 0) r->table.i32[i] = 1;
-      for (std::size_t b = 1; b < 3; ++b)
-        for (std::size_t i = 0; i < cols; ++i) r->table.i32[b * cols + i] = r->table.i32[i];
-    }
-    BlockPlan bp;
-    ASSERT_TRUE(::kvcomp::detail::validate_forward(emu.args, {}, &bp).ok());
-    ASSERT_TRUE(::kvcomp::detail::cache_slots_alias(bp, cache_geometry(emu.args)))
-        << "mode " << mode << ": not the serial path";
-    ASSERT_TRUE(cpu.run().ok());
-    ASSERT_TRUE(emulate(emu, {}).ok());
-    const auto tw = two_way_compare(emu.cmp_kv.values(), cpu.cmp_kv.values(), c.io);
-    EXPECT_TRUE(tw.pass) << "mode " << mode << " cmp_kv: " << tw.summary();
-    const auto tc = two_way_compare(emu.cache.values(), cpu.cache.values(), c.io);
-    EXPECT_TRUE(tc.pass) << "mode " << mode << " cache: " << tc.summary();
-  }
+  check_shared_cache_blocks([](ForwardRun& r, const Options& o) { return emulate(r, o); },
+                            [](const ForwardRun& r) {
+                              BlockPlan bp;
+                              ASSERT_TRUE(::kvcomp::detail::validate_forward(r.args, {}, &bp).ok());
+                              EXPECT_TRUE(::kvcomp::detail::cache_slots_alias(bp, cache_geometry(r.args)))
+                                  << "the case must take the serial path";
+                            });
 }
 
 }  // namespace

@@ -20,6 +20,32 @@ std::vector<std::uint8_t> bytes_of(const Buffer& b) {
   return {p, p + n};
 }
 
+// The forward of rc on the CPU and the GPU; cmp_kv agrees to io precision.
+void forward_on_both(const SweepCase& c, ForwardRun& cpu, ForwardRun& gpu) {
+  ASSERT_TRUE(cpu.run().ok());
+  const Status s = on_gpu(gpu, {});
+  ASSERT_TRUE(s.ok()) << s.message;
+  const auto tw = two_way_compare(gpu.cmp_kv.values(), cpu.cmp_kv.values(), c.io);
+  EXPECT_TRUE(tw.pass) << "cmp_kv GPU vs CPU: " << tw.summary();
+}
+
+// The backward of bd on the CPU and the GPU with options o: d_ape bitwise
+// equal, d_x / d_wkv / d_wgate to io precision.
+void backward_on_both(const SweepCase& c, const RandomCase<double>& rc, const BackwardData& bd,
+                      const Options& o) {
+  BackwardRun bc(rc.problem, rc.in, bd, c.io), bg(rc.problem, rc.in, bd, c.io);
+  ASSERT_TRUE(bc.run(o).ok());
+  const Status sb = on_gpu(bg, o);
+  ASSERT_TRUE(sb.ok()) << sb.message;
+  const char* mode = o.precision == Precision::precise ? "precise" : "npu_parity";
+  EXPECT_EQ(bytes_of(bg.d_ape), bytes_of(bc.d_ape)) << "d_ape GPU vs CPU, bitwise (" << mode << ")";
+  for (auto [name, g, h] : {std::tuple{"d_x", &bg.d_x, &bc.d_x}, std::tuple{"d_wkv", &bg.d_wkv, &bc.d_wkv},
+                            std::tuple{"d_wgate", &bg.d_wgate, &bc.d_wgate}}) {
+    const auto r = two_way_compare(g->values(), h->values(), c.io);
+    EXPECT_TRUE(r.pass) << name << " GPU vs CPU (" << mode << "): " << r.summary();
+  }
+}
+
 // ---- The sweep against the oracle (the same checks as the CPU suite).
 
 class CudaSweep : public ::testing::TestWithParam<SweepCase> {};
@@ -44,29 +70,14 @@ TEST_P(CudaSweep, AgreesWithTheCpu) {
   auto rc = make_random_case(c.options(), c.forward_seed);
   round_io_inputs(rc.in, c.io);
   ForwardRun cpu(rc.problem, rc.in, c.io), gpu(rc.problem, rc.in, c.io);
-  ASSERT_TRUE(cpu.run().ok());
-  const Status s = on_gpu(gpu, {});
-  ASSERT_TRUE(s.ok()) << s.message;
-  const auto tw = two_way_compare(gpu.cmp_kv.values(), cpu.cmp_kv.values(), c.io);
-  EXPECT_TRUE(tw.pass) << "cmp_kv GPU vs CPU: " << tw.summary();
+  forward_on_both(c, cpu, gpu);
   const auto ts = two_way_compare(gpu.softmax_score.values(), cpu.softmax_score.values(), c.io);
   EXPECT_TRUE(ts.pass) << "softmax_score GPU vs CPU: " << ts.summary();
-
   const BackwardData bd = make_backward_data(rc.problem, rc.in, c.io, c.backward_data_seed);
   for (Precision prec : {Precision::precise, Precision::npu_parity}) {
     Options o;
     o.precision = prec;
-    BackwardRun bc(rc.problem, rc.in, bd, c.io), bg(rc.problem, rc.in, bd, c.io);
-    ASSERT_TRUE(bc.run(o).ok());
-    const Status sb = on_gpu(bg, o);
-    ASSERT_TRUE(sb.ok()) << sb.message;
-    EXPECT_EQ(bytes_of(bg.d_ape), bytes_of(bc.d_ape)) << "d_ape GPU vs CPU, bitwise";
-    for (auto [name, g, h] : {std::tuple{"d_x", &bg.d_x, &bc.d_x}, std::tuple{"d_wkv", &bg.d_wkv, &bc.d_wkv},
-                              std::tuple{"d_wgate", &bg.d_wgate, &bc.d_wgate}}) {
-      const auto r = two_way_compare(g->values(), h->values(), c.io);
-      EXPECT_TRUE(r.pass) << name << " GPU vs CPU ("
-                          << (prec == Precision::precise ? "precise" : "npu_parity") << "): " << r.summary();
-    }
+    backward_on_both(c, rc, bd, o);
   }
 }
 
@@ -247,36 +258,7 @@ TEST(CudaValidation, ATableCorruptedAfterPlanningStaysInBounds) {
 
 TEST(CudaCache, SharedBlocksFollowTheSpecOrderLikeTheCpu) {
   KVCOMP_REQUIRE_GPU();
-  for (int mode : {1, 2}) {
-    SweepCase c{.name = "alias",
-                .B = 3,
-                .S = 12,
-                .H = 16,
-                .D = 8,
-                .cache_mode = mode,
-                .block_size = 32,
-                .start_pos = {5, 9, 14},
-                .random_seqused = false};
-    auto rc = make_random_case(c.options(), c.forward_seed);
-    round_io_inputs(rc.in, c.io);
-    ForwardRun cpu(rc.problem, rc.in, c.io), gpu(rc.problem, rc.in, c.io);
-    // Every batch's table points at the blocks of batch 0: batch 1 reads what batch 0 writes.
-    for (ForwardRun* r : {&cpu, &gpu}) {
-      const std::size_t cols = mode == 1 ? static_cast<std::size_t>(r->args.state_block_table->dim(1)) : 1;
-      for (std::size_t b = 1; b < 3; ++b)
-        for (std::size_t i = 0; i < cols; ++i)
-          r->table.i32[b * cols + i] = r->table.i32[i] ? r->table.i32[i] : 1;
-      for (std::size_t i = 0; i < cols; ++i)
-        if (r->table.i32[i] == 0) r->table.i32[i] = 1;
-    }
-    ASSERT_TRUE(cpu.run().ok());
-    const Status s = on_gpu(gpu, {});
-    ASSERT_TRUE(s.ok()) << s.message;
-    const auto tw = two_way_compare(gpu.cmp_kv.values(), cpu.cmp_kv.values(), c.io);
-    EXPECT_TRUE(tw.pass) << "mode " << mode << " cmp_kv: " << tw.summary();
-    const auto tc = two_way_compare(gpu.cache.values(), cpu.cache.values(), c.io);
-    EXPECT_TRUE(tc.pass) << "mode " << mode << " cache: " << tc.summary();
-  }
+  check_shared_cache_blocks([](ForwardRun& r, const Options& o) { return on_gpu(r, o); });
 }
 
 // ---- Large cases: GPU against the CPU backend (itself checked against the oracle).
@@ -285,11 +267,7 @@ void large_case(const SweepCase& c) {
   auto rc = make_random_case(c.options(), c.forward_seed);
   round_io_inputs(rc.in, c.io);
   ForwardRun cpu(rc.problem, rc.in, c.io), gpu(rc.problem, rc.in, c.io);
-  ASSERT_TRUE(cpu.run().ok());
-  const Status s = on_gpu(gpu, {});
-  ASSERT_TRUE(s.ok()) << s.message;
-  const auto tw = two_way_compare(gpu.cmp_kv.values(), cpu.cmp_kv.values(), c.io);
-  EXPECT_TRUE(tw.pass) << "cmp_kv: " << tw.summary();
+  forward_on_both(c, cpu, gpu);
   // The backward on the CPU forward's own intermediates, a fixed upstream gradient.
   BackwardData bd;
   bd.softmax_score = cpu.softmax_score.values();
@@ -298,16 +276,7 @@ void large_case(const SweepCase& c) {
   std::mt19937_64 rng(5);
   std::uniform_real_distribution<double> dist(-1.0, 1.0);
   for (double& v : bd.d_cmp_kv) v = round_to_dtype(dist(rng), c.io);
-  BackwardRun bc(rc.problem, rc.in, bd, c.io), bg(rc.problem, rc.in, bd, c.io);
-  ASSERT_TRUE(bc.run().ok());
-  const Status sb = on_gpu(bg, {});
-  ASSERT_TRUE(sb.ok()) << sb.message;
-  EXPECT_EQ(bytes_of(bg.d_ape), bytes_of(bc.d_ape)) << "d_ape, bitwise";
-  for (auto [name, g, h] : {std::tuple{"d_x", &bg.d_x, &bc.d_x}, std::tuple{"d_wkv", &bg.d_wkv, &bc.d_wkv},
-                            std::tuple{"d_wgate", &bg.d_wgate, &bc.d_wgate}}) {
-    const auto r = two_way_compare(g->values(), h->values(), c.io);
-    EXPECT_TRUE(r.pass) << name << ": " << r.summary();
-  }
+  backward_on_both(c, rc, bd, {});
 }
 
 TEST(CudaLarge, C4aBsh262144Tokens) {

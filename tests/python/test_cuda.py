@@ -30,6 +30,22 @@ def forward(case, **kw):
     )
 
 
+def grad(case, d_cmp_kv, fwd):
+    return kvcomp.compressor_grad(
+        case.x,
+        case.wkv,
+        case.wgate,
+        d_cmp_kv,
+        fwd[1],
+        fwd[2],
+        case.cmp_ratio,
+        cu_seqlens=case.cu_seqlens,
+        seqused=case.seqused,
+        start_pos=case.start_pos,
+        coff=case.coff,
+    )
+
+
 def test_outputs_stay_on_the_device_and_the_cache_is_updated_in_place():
     case = on_device(make_case(seed=41, **CASE), "cuda")
     before = case.state_cache.clone()
@@ -49,36 +65,12 @@ def test_runs_on_torch_current_stream_and_is_deterministic():
     with torch.cuda.stream(side):
         out = forward(case)
         d = torch.randn_like(out[0])
-        grads = kvcomp.compressor_grad(
-            case.x,
-            case.wkv,
-            case.wgate,
-            d,
-            out[1],
-            out[2],
-            case.cmp_ratio,
-            cu_seqlens=case.cu_seqlens,
-            seqused=case.seqused,
-            start_pos=case.start_pos,
-            coff=case.coff,
-        )
+        grads = grad(case, d, out)
     side.synchronize()
     for a, b in zip(out, ref):
         assert torch.equal(a, b)
     assert torch.equal(case.state_cache, ref_case.state_cache)
-    again = kvcomp.compressor_grad(
-        case.x,
-        case.wkv,
-        case.wgate,
-        d,
-        out[1],
-        out[2],
-        case.cmp_ratio,
-        cu_seqlens=case.cu_seqlens,
-        seqused=case.seqused,
-        start_pos=case.start_pos,
-        coff=case.coff,
-    )
+    again = grad(case, d, out)
     for a, b in zip(grads, again):
         assert torch.equal(a, b)
 
