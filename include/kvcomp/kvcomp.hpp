@@ -1,5 +1,6 @@
 // kvcomp: the Compressor / CompressorGrad operator pair of compressed sparse
-// attention (DeepSeek-V4 style C4A / C4Li / C128A), on any x86-64 CPU, with the
+// attention (DeepSeek-V4 style C4A / C4Li / C128A), on any x86-64 CPU and, in
+// a build with the CUDA backend, on NVIDIA GPUs (sm_80 and later), with the
 // semantics of the Ascend aclnnCompressor / aclnnCompressorGrad operators.
 //
 // Life cycle (the aclnn two-phase shape): fill an Args struct with tensor
@@ -10,6 +11,14 @@
 // Tensors are non-owning views of contiguous row-major memory. The library
 // never allocates or frees user memory. A call that fails validation writes
 // nothing.
+//
+// On a CUDA device (every tensor's `device` set to it, device memory):
+// plan_*() copies the index tensors (cu_seqlens, seqused, start_pos, the
+// block table) to the host once, waiting for Options::stream, and builds the
+// device plan; execute() re-validates from those copies and only queues work
+// on the stream (no allocation, no host wait), so it can be captured in a
+// CUDA graph. Index data changed after planning is not seen: plan again. The
+// plan must outlive the work it queued (and any graph replaying it).
 #pragma once
 
 #include <array>
@@ -166,14 +175,17 @@ KVCOMP_API Status plan_forward(const ForwardArgs& args, const Options& options, 
 KVCOMP_API Status plan_backward(const BackwardArgs& args, const Options& options, BackwardPlan* plan);
 
 // Phase two: run. The workspace must hold at least plan.workspace_size() bytes
-// (64-byte alignment is best; any alignment works).
+// (64-byte alignment is best; any alignment works); for a call on a CUDA
+// device it is device memory of that device.
 KVCOMP_API Status execute(ForwardPlan& plan, void* workspace, std::size_t workspace_size);
 KVCOMP_API Status execute(BackwardPlan& plan, void* workspace, std::size_t workspace_size);
 
 // One call: plan, allocate the workspace, execute. The workspace is kept for
 // the calling thread's next call (it does not grow with T: ~120 MB for C4A
 // at H = 4096), so repeated calls skip the page faults of a fresh buffer; it
-// is freed when the thread exits or by release_cached_workspace().
+// is freed when the thread exits or by release_cached_workspace(). On a CUDA
+// device the workspace is taken and returned with cudaMallocAsync /
+// cudaFreeAsync on Options::stream.
 KVCOMP_API Status compressor_forward(const ForwardArgs& args, const Options& options = {});
 KVCOMP_API Status compressor_backward(const BackwardArgs& args, const Options& options = {});
 // Frees the calling thread's kept one-call workspace now.
