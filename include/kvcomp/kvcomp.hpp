@@ -90,8 +90,10 @@ struct Tensor {
 enum class Profile { extended, aclnn };
 
 // How the backward stages d_new_kv / d_new_score before the matrix products.
-// precise: fp32 (more precise than the NPU). npu_parity: rounded to the io
-// dtype first, like the Ascend kernel, so NPU numbers can be reproduced.
+// precise: more precise than the NPU: fp32 on the CPU; on a GPU a high and a
+// low io-dtype part, two tensor-core products (about 16 bits for bf16, 22 for
+// fp16; fp32 io stays fp32). npu_parity: rounded to the io dtype first, like
+// the Ascend kernel, so NPU numbers can be reproduced.
 enum class Precision { precise, npu_parity };
 
 struct Options {
