@@ -25,6 +25,11 @@ namespace kvcomp::detail::cuda {
 // managed memory of it, not a plain host pointer).
 Status check_device_memory(const std::vector<std::pair<const char*, const Tensor*>>& tensors, Device dev);
 
+// Planning waits for the stream (the index data is read on the host), which
+// a stream being captured into a CUDA graph cannot do: refused, saying to
+// plan before the capture.
+Status check_not_capturing(void* stream);
+
 // Copies the int32 tensor t (on a CUDA device) into out: queued on `stream`,
 // then waits for it. Planning only.
 Status copy_index_to_host(const Tensor& t, void* stream, std::vector<std::int32_t>& out);

@@ -64,6 +64,17 @@ Status check_device_memory(const std::vector<std::pair<const char*, const Tensor
   return Status::success();
 }
 
+Status check_not_capturing(void* stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaError_t e = cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &capture); e != cudaSuccess)
+    return cuda_error("cudaStreamIsCapturing", e);
+  if (capture == cudaStreamCaptureStatusNone) return Status::success();
+  return invalid(
+      "stream (= capturing a CUDA graph) must not be capturing while a call is planned: planning reads the "
+      "index data on the host; plan before the capture and capture execute() only (the one-call functions "
+      "and the Python package plan on every call)");
+}
+
 Status copy_index_to_host(const Tensor& t, void* stream, std::vector<std::int32_t>& out) {
   const std::int64_t n = t.numel();
   out.assign(static_cast<std::size_t>(std::max<std::int64_t>(n, 0)), 0);

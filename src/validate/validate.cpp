@@ -147,6 +147,7 @@ class IndexData {
     if (!copies_) return invalid("x (= on " + device_name(a_.x.device) + ") must be planned by kvcomp");
     if (copies_->fetched) return Status::success();
 #ifdef KVCOMP_HAVE_CUDA
+    if (auto s = cuda::check_not_capturing(o_.stream); !s.ok()) return s;
     const std::pair<const std::optional<Tensor>*, std::vector<std::int32_t>*> all[] = {
         {&a_.cu_seqlens, &copies_->cu_seqlens},
         {&a_.seqused, &copies_->seqused},

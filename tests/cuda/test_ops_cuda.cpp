@@ -172,6 +172,34 @@ TEST(CudaExecution, ForwardAndBackwardReplayFromACudaGraph) {
   cudaStreamDestroy(stream);
 }
 
+// Planning waits for the stream, which a capturing stream cannot do: refused
+// with the way out, and the capture stays usable.
+TEST(CudaExecution, PlanningDuringACaptureIsRefused) {
+  KVCOMP_REQUIRE_GPU();
+  const SweepCase c = graph_case();
+  auto rc = make_random_case(c.options(), c.forward_seed);
+  ForwardRun r(rc.problem, rc.in, c.io);
+  ForwardArgs a = r.args;
+  DeviceMirror m;
+  move_forward(m, a);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  Options o;
+  o.stream = stream;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  const Status s = compressor_forward(a, o);
+  cudaGraph_t graph = nullptr;
+  EXPECT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  EXPECT_EQ(s.code, StatusCode::invalid_param);
+  EXPECT_EQ(
+      s.message.rfind(
+          "[kvcomp] stream (= capturing a CUDA graph) must not be capturing while a call is planned", 0),
+      0u)
+      << s.message;
+  if (graph) cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
 // ---- Validation with device memory: the data rules give the CPU's status.
 
 struct DataFault {
