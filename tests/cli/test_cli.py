@@ -456,6 +456,31 @@ def test_device_option(small_case, tmp_path):
     ), r.stderr
 
 
+@NO_GPU
+def test_demo_and_bench_on_the_gpu():
+    """`kvcomp demo --device cuda` checks the GPU result against the float64 oracle and passes; `kvcomp
+    bench --device cuda` prints a row per case with positive times and ratios."""
+    r = run_kvcomp("demo", "--device", "cuda", "--tokens", "512", "--hidden", "256")
+    assert r.returncode == 0 and "result: PASS" in r.stdout, r.stdout + r.stderr
+    r = run_kvcomp(
+        "bench", "--device", "cuda", "--preset", "C4Li", "--tokens", "512", "--hidden", "64", "--varlen", "4",
+        "--repeat", "2",
+    )
+    assert r.returncode == 0, r.stderr
+    rows = [line.split("|") for line in r.stdout.splitlines() if line.startswith("C4Li")]
+    assert len(rows) == 2, r.stdout
+    for row in rows:
+        fwd_ms, _, fwd_ratio = map(float, row[1].split())
+        bwd_ms, _, bwd_ratio = map(float, row[2].split())
+        parity_ms, parity_ratio = map(float, row[3].split())
+        assert min(fwd_ms, fwd_ratio, bwd_ms, bwd_ratio, parity_ms, parity_ratio) > 0, row
+
+
+def test_bench_on_a_missing_device():
+    r = run_kvcomp("bench", "--device", "cuda:99", "--tokens", "256", "--hidden", "64", "--preset", "C4Li")
+    assert r.returncode == 1 and "--device (= cuda:99) must be" in r.stderr, r.stderr
+
+
 def test_results_independent_of_thread_count(tmp_path):
     spec = dict(CASES[0], name="threads_bsh_bf16")
     case = Case(spec)
