@@ -18,6 +18,12 @@ struct CudaExec {
       return cuda_error("cudaMemsetAsync", e);
     return Status::success();
   }
+  Status copy(void* dst, const void* src, std::size_t bytes) {
+    if (bytes == 0) return Status::success();
+    if (cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream); e != cudaSuccess)
+      return cuda_error("cudaMemcpyAsync", e);
+    return Status::success();
+  }
   Status forward_blocks(const ForwardKernelArgs& p, std::int64_t lo, std::int64_t hi) {
     return launch_forward_blocks(p, lo, hi, stream);
   }

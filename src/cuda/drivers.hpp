@@ -8,6 +8,7 @@
 // An executor provides:
 //   Status gemm(const GemmCall&)            D = alpha op(A) op(B) + beta D (cuda/gemm.hpp)
 //   Status zero(void*, std::size_t bytes)
+//   Status copy(void* dst, const void* src, std::size_t bytes)   (device to device)
 //   Status forward_blocks(const ForwardKernelArgs&, g_lo, g_hi)
 //   Status cache_writes(const ForwardKernelArgs&, row_lo, row_hi)
 //   Status zero_padding(const ForwardKernelArgs&)
@@ -29,15 +30,32 @@
 
 namespace kvcomp::detail::cuda {
 
+// [wkv ; wgate] as one [2C, H] io matrix in the workspace, so that each
+// product of the operator is one GEMM (the two weights are separate tensors).
+template <typename Layout>
+void* take_wcat(Layout& ws, const Dims& d) {
+  return ws.template take<unsigned char>(
+      static_cast<std::int64_t>(static_cast<std::size_t>(2 * d.C * d.H) * dtype_size(d.io)));
+}
+
+template <typename Exec, typename Args>
+Status fill_wcat(Exec& ex, const Args& args, const Dims& d, void* wcat) {
+  const std::size_t half = static_cast<std::size_t>(d.C * d.H) * dtype_size(d.io);
+  if (auto s = ex.copy(wcat, args.wkv.data, half); !s.ok()) return s;
+  return ex.copy(static_cast<unsigned char*>(wcat) + half, args.wgate.data, half);
+}
+
 struct ForwardBuffers {
   std::int64_t panel_ld = 0;
-  float* panel =
-      nullptr;  // [chunk + coff*r, panel_ld]: kv | score projections of a chunk and the rows before it
+  void* wcat = nullptr;  // [2C, H] io: wkv rows then wgate rows
+  // [chunk + coff*r, panel_ld]: kv | score projections of a chunk and the rows before it
+  float* panel = nullptr;
   void* gemm_ws = nullptr;
   std::size_t size = 0;
 
   ForwardBuffers(const Dims& d, void* base) {
     AlignedLayout<256> ws(base);
+    wcat = take_wcat(ws, d);
     const std::int64_t rows = std::min(kForwardChunkRows, std::max<std::int64_t>(d.T, 1)) + d.coff * d.r;
     panel_ld = (2 * d.C + 3) / 4 * 4;  // 16-byte rows
     panel = ws.take<float>(rows * panel_ld);
@@ -58,6 +76,7 @@ inline float lo_scale(DType io) { return io == DType::f16 ? 2048.0f : 256.0f; }
 struct BackwardBuffers {
   std::int64_t R = 0, dnew_ld = 0;
   std::size_t dnew_elem = 0;
+  void* wcat = nullptr;        // [2C, H] io: wkv rows then wgate rows
   void* dnew_hi = nullptr;     // [R, dnew_ld]: d_new_kv | d_new_score (fp32, or io)
   void* dnew_lo = nullptr;     // precise16: the low parts
   void* xm = nullptr;          // [R, H] io: x rows, zero where a row gets no gradient
@@ -70,6 +89,7 @@ struct BackwardBuffers {
 
   BackwardBuffers(const Dims& d, DnewMode mode, std::int64_t max_chunk_blocks, void* base) {
     AlignedLayout<256> ws(base);
+    wcat = take_wcat(ws, d);
     R = std::min(kBackwardChunkRows, std::max<std::int64_t>(d.T, 1));
     dnew_ld = (2 * d.C + 7) / 8 * 8;  // 16-byte rows in any dtype
     dnew_elem = mode == DnewMode::f32 ? sizeof(float) : dtype_size(d.io);
@@ -114,6 +134,7 @@ Status run_forward_chunks(Exec& ex, const ForwardArgs& args, const BlockPlan& pl
   p.bsh_rows = d.layout == Layout::bsh ? compressed_rows_bsh(d.S, d.r) : 0;
   p.total_blocks = plan.total_blocks;
 
+  if (auto s = fill_wcat(ex, args, d, buf.wcat); !s.ok()) return s;
   const std::size_t io_size = dtype_size(d.io);
   const std::int64_t carry = d.coff * d.r;  // rows before a chunk its blocks may read
   for (const Chunk& c : cp.chunks) {
@@ -122,17 +143,8 @@ Status run_forward_chunks(Exec& ex, const ForwardArgs& args, const BlockPlan& pl
     const std::int64_t first = std::max<std::int64_t>(0, c.a - carry), n = c.b - first;
     const void* x_rows =
         static_cast<const unsigned char*>(args.x.data) + static_cast<std::size_t>(first * d.H) * io_size;
-    for (int half = 0; half < 2; ++half) {
-      GemmCall g{n,
-                 d.C,
-                 d.H,
-                 d.io,
-                 {x_rows, d.H, false},
-                 {half ? args.wgate.data : args.wkv.data, d.H, true},
-                 buf.panel + half * d.C,
-                 buf.panel_ld};
-      if (auto s = ex.gemm(g); !s.ok()) return s;
-    }
+    GemmCall g{n, 2 * d.C, d.H, d.io, {x_rows, d.H, false}, {buf.wcat, d.H, true}, buf.panel, buf.panel_ld};
+    if (auto s = ex.gemm(g); !s.ok()) return s;
     p.panel_first = first;
     if (!cp.serial) {
       // No cache slot is both written and read (or written twice): any order gives the spec's result.
@@ -172,6 +184,7 @@ Status run_backward_chunks(Exec& ex, const BackwardArgs& args, const BlockPlan& 
   const std::size_t io_size = dtype_size(d.io);
   const DnewMode mode = dnew_mode(d, precision);
   BackwardBuffers buf(d, mode, cp.max_chunk_blocks, AlignedLayout<256>::align(workspace));
+  if (auto s = fill_wcat(ex, args, d, buf.wcat); !s.ok()) return s;
   if (auto s = ex.zero(buf.dwf, static_cast<std::size_t>(2 * C * H) * sizeof(float)); !s.ok()) return s;
   if (auto s = ex.zero(buf.dape, static_cast<std::size_t>(d.r * C) * sizeof(double)); !s.ok()) return s;
 
@@ -187,9 +200,6 @@ Status run_backward_chunks(Exec& ex, const BackwardArgs& args, const BlockPlan& 
   p.lo_scale = lo_scale(d.io);
   p.partials = buf.partials;
 
-  auto at_col = [&](void* m, std::int64_t col) {
-    return static_cast<unsigned char*>(m) + col * buf.dnew_elem;
-  };
   void* parts[2] = {buf.dnew_hi, buf.dnew_lo};
   const float alphas[2] = {1.0f, 1.0f / p.lo_scale};
   const int nparts = mode == DnewMode::precise16 ? 2 : 1;
@@ -215,39 +225,27 @@ Status run_backward_chunks(Exec& ex, const BackwardArgs& args, const BlockPlan& 
       if (auto s = ex.gradient_rows(p.g, x_rows, false, buf.xm, c.a, c.b, H); !s.ok()) return s;
       x_rows = buf.xm;
     }
-    // d_x rows = sum over halves and parts of d_new[:, half] . w_half
-    bool first = true;
-    for (int i = 0; i < nparts; ++i)
-      for (int half = 0; half < 2; ++half) {
-        GemmCall g{n,
-                   H,
-                   C,
-                   d.io,
-                   {at_col(parts[i], half * C), buf.dnew_ld, false},
-                   {half ? args.wgate.data : args.wkv.data, H, false},
-                   buf.dxf,
-                   H,
-                   alphas[i],
-                   first ? 0.0f : 1.0f};
-        if (auto s = ex.gemm(g); !s.ok()) return s;
-        first = false;
-      }
+    // d_x rows = d_new . [wkv ; wgate] (K = 2C), one product per part of d_new
+    for (int i = 0; i < nparts; ++i) {
+      GemmCall g{n,
+                 H,
+                 2 * C,
+                 d.io,
+                 {parts[i], buf.dnew_ld, false},
+                 {buf.wcat, H, false},
+                 buf.dxf,
+                 H,
+                 alphas[i],
+                 i == 0 ? 0.0f : 1.0f};
+      if (auto s = ex.gemm(g); !s.ok()) return s;
+    }
     if (auto s = ex.gradient_rows(p.g, buf.dxf, true, dx_rows, c.a, c.b, H); !s.ok()) return s;
-    // [d_wkv ; d_wgate] += d_new[:, half]^T . x rows
-    for (int i = 0; i < nparts; ++i)
-      for (int half = 0; half < 2; ++half) {
-        GemmCall g{C,
-                   H,
-                   n,
-                   d.io,
-                   {at_col(parts[i], half * C), buf.dnew_ld, true},
-                   {x_rows, H, false},
-                   buf.dwf + half * C * H,
-                   H,
-                   alphas[i],
-                   1.0f};
-        if (auto s = ex.gemm(g); !s.ok()) return s;
-      }
+    // [d_wkv ; d_wgate] += d_new^T . x rows (K = the chunk's rows), one product per part
+    for (int i = 0; i < nparts; ++i) {
+      GemmCall g{2 * C,   H, n,         d.io, {parts[i], buf.dnew_ld, true}, {x_rows, H, false},
+                 buf.dwf, H, alphas[i], 1.0f};
+      if (auto s = ex.gemm(g); !s.ok()) return s;
+    }
   }
   if (auto s = ex.narrow(buf.dwf, args.d_wkv.data, d.io, C * H); !s.ok()) return s;
   if (auto s = ex.narrow(buf.dwf + C * H, args.d_wgate.data, d.io, C * H); !s.ok()) return s;

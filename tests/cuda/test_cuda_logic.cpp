@@ -44,6 +44,10 @@ struct HostExec {
     if (bytes) std::memset(p, 0, bytes);
     return Status::success();
   }
+  Status copy(void* dst, const void* src, std::size_t bytes) {
+    if (bytes) std::memcpy(dst, src, bytes);
+    return Status::success();
+  }
   Status forward_blocks(const ForwardKernelArgs& p, i64 lo, i64 hi) {
     for (i64 blk = lo; blk < hi; ++blk)
       for (i64 d = 0; d < p.g.D; ++d) body::forward_block(p, blk, d);
