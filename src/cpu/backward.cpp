@@ -25,15 +25,17 @@ struct BackwardBuffers {
   BackwardBuffers(const Dims& d, void* base) {
     WorkspaceLayout ws(base);
     R = std::min(kChunkRows, std::max<std::int64_t>(d.T, 1));
+    // dnew and dxf hold the rows of the d_x product padded for row stability (gemm.hpp).
+    const std::int64_t Rp = gemm_row_capacity(R);
     ld_h = padded_ld(d.H);
     ld_c2 = padded_ld(2 * d.C);
     ld_r = padded_ld(R);
     wcat = ws.take<float>(2 * d.C * ld_h);
     dwcat = ws.take<float>(2 * d.C * ld_h);
     xf = ws.take<float>(R * ld_h);
-    dnew = ws.take<float>(R * ld_c2);
+    dnew = ws.take<float>(Rp * ld_c2);
     dnew_t = ws.take<float>(2 * d.C * ld_r);
-    dxf = ws.take<float>(R * ld_h);
+    dxf = ws.take<float>(Rp * ld_h);
     dape = ws.take<double>(d.r * d.C);
     size = ws.size();
   }
@@ -109,7 +111,9 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
       zero_bytes(dx_rows, n * H, io_size);
       continue;
     }
-    for (std::int64_t i = 0; i < n; ++i)
+    // Zeroed up to the padded row count of the d_x product (its padding rows stay zero).
+    const std::int64_t n_pad = gemm_padded_rows(n, false);
+    for (std::int64_t i = 0; i < n_pad; ++i)
       std::fill(buf.dnew + i * buf.ld_c2, buf.dnew + i * buf.ld_c2 + 2 * C, 0.0f);
     backward_blocks(plan, in, a, b, buf.dnew, buf.ld_c2, buf.dape, parity, num_threads);
 
@@ -127,7 +131,7 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
     }
 
     // d_x rows = [d_new_kv | d_new_score] . [wkv ; wgate]
-    if (!gemm_f32(n, H, 2 * C, {buf.dnew, buf.ld_c2, false}, {buf.wcat, buf.ld_h, false}, buf.dxf, buf.ld_h,
+    if (!gemm_f32(n_pad, H, 2 * C, {buf.dnew, buf.ld_c2, false}, {buf.wcat, buf.ld_h, false}, buf.dxf, buf.ld_h,
                   false, num_threads))
       return {StatusCode::runtime_error, "[kvcomp] oneDNN matmul for d_x failed"};
     // [d_wkv ; d_wgate] += [d_new_kv | d_new_score]^T . x

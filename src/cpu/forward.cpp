@@ -13,19 +13,20 @@ namespace {
 struct ForwardBuffers {
   std::int64_t ld_h, ld_c2;  // padded leading dimensions
   float* wcat;               // [2C, ld_h]: wkv rows then wgate rows, fp32
-  float* xf;                 // [R, ld_h]: the chunk's x rows in fp32
-  float* proj;    // [coff*r + R, ld_c2]: projections (kv | score+ape) of the chunk and the rows before it
+  float* xf;                 // [Rp, ld_h]: the chunk's x rows in fp32, zero rows up to the GEMM's padded M
+  float* proj;    // [coff*r + Rp, ld_c2]: projections (kv | score+ape) of the chunk and the rows before it
   void* scratch;  // forward_scratch_bytes(d) for each thread of forward_blocks
   std::size_t size;
 
   ForwardBuffers(const Dims& d, int num_threads, void* base) {
     WorkspaceLayout ws(base);
-    const std::int64_t R = std::min(kChunkRows, std::max<std::int64_t>(d.T, 1));
+    // Rp: the chunk's rows padded for a row-stable product (gemm.hpp).
+    const std::int64_t Rp = gemm_row_capacity(std::min(kChunkRows, std::max<std::int64_t>(d.T, 1)));
     ld_h = padded_ld(d.H);
     ld_c2 = padded_ld(2 * d.C);
     wcat = ws.take<float>(2 * d.C * ld_h);
-    xf = ws.take<float>(R * ld_h);
-    proj = ws.take<float>((d.coff * d.r + R) * ld_c2);
+    xf = ws.take<float>(Rp * ld_h);
+    proj = ws.take<float>((d.coff * d.r + Rp) * ld_c2);
     scratch = ws.take<unsigned char>(static_cast<std::int64_t>(forward_scratch_bytes(d)) *
                                      forward_block_threads(d, num_threads));
     size = ws.size();
@@ -95,8 +96,12 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
     float* rows = buf.proj + (a - first) * buf.ld_c2;
     rows_to_f32(static_cast<const unsigned char*>(args.x.data) + static_cast<std::size_t>(a * H) * io_size,
                 d.io, n, H, buf.xf, buf.ld_h, num_threads);
+    // Zero rows up to the padded M, so each token's projection is computed
+    // alike whatever the chunk's row count (gemm.hpp, row stability).
+    const std::int64_t n_pad = gemm_padded_rows(n, true);
+    for (std::int64_t i = n; i < n_pad; ++i) std::fill(buf.xf + i * buf.ld_h, buf.xf + i * buf.ld_h + H, 0.0f);
     // [new_kv | new_score] = x . [wkv ; wgate]^T
-    if (!gemm_f32(n, 2 * C, H, {buf.xf, buf.ld_h, false}, {buf.wcat, buf.ld_h, true}, rows, buf.ld_c2, false,
+    if (!gemm_f32(n_pad, 2 * C, H, {buf.xf, buf.ld_h, false}, {buf.wcat, buf.ld_h, true}, rows, buf.ld_c2, false,
                   num_threads))
       return {StatusCode::runtime_error, "[kvcomp] oneDNN matmul for the projections failed"};
     add_ape(plan, static_cast<const float*>(args.ape.data), buf.proj, first, buf.ld_c2, a, b, num_threads);

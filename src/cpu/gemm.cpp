@@ -5,18 +5,58 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 
 namespace kvcomp::detail {
 
 namespace {
 
-// Tile sizes. Fixed constants: changing them changes the rounding of results
-// (still deterministic), so they are part of the numerical contract of a
-// release.
-constexpr std::int64_t kTileM = 256;
+// Tile sizes. Fixed per oneDNN ISA: changing them changes the rounding of
+// results (still deterministic), so they are part of the numerical contract
+// of a release. The row tile is a multiple of every row quantum of its ISA.
 constexpr std::int64_t kTileN = 256;
 
+// oneDNN 2.6's sgemm kernels (row-major A[M,K] becomes the n dimension of its
+// column-major call). AVX-512 (avx512_core and up): every call with >= 16
+// rows computes each row alike. AVX2: the no-copy driver cuts n into blocks
+// of 64 (96 when our B is transposed), and rows in a final group of 1-3 rows
+// of the 6-row kernel are summed differently; blocks that are whole multiples
+// of 64 (96) have none, and with tiles of 192 rows every block is whole.
+bool onednn_has_avx512() {
+  static const bool yes = [] {
+    const unsigned isa = static_cast<unsigned>(dnnl_get_effective_cpu_isa());
+    const unsigned avx512_core = static_cast<unsigned>(dnnl_cpu_isa_avx512_core);
+    return (isa & avx512_core) == avx512_core;
+  }();
+  return yes;
+}
+
+// Opt-in (KVCOMP_ROW_STABLE=1, read once): the no-copy kernel that every
+// row then takes sums an fp32 chain of up to 384 products, while the small-M
+// path of short calls (decode, tiny remainders) is more accurate; by default
+// short calls keep that path.
+bool row_stable() {
+  static const bool yes = [] {
+    const char* v = std::getenv("KVCOMP_ROW_STABLE");
+    return v != nullptr && v[0] == '1';
+  }();
+  return yes;
+}
+
+std::int64_t tile_m() { return row_stable() && !onednn_has_avx512() ? 192 : 256; }
+
 }  // namespace
+
+std::int64_t gemm_row_quantum(bool b_transposed) {
+  if (!row_stable()) return 1;
+  if (onednn_has_avx512()) return 16;
+  return b_transposed ? 96 : 64;
+}
+
+std::int64_t gemm_padded_rows(std::int64_t rows, bool b_transposed) {
+  const std::int64_t q = gemm_row_quantum(b_transposed);
+  return (rows + q - 1) / q * q;
+}
 
 // Each tile is one dnnl_sgemm call (oneDNN's BLAS-style entry: no primitive,
 // no memory objects, nothing allocated with operator new; its packing
@@ -32,7 +72,8 @@ bool gemm_f32(std::int64_t M, std::int64_t N, std::int64_t K, GemmOperand a, Gem
       for (std::int64_t i = 0; i < M; ++i) std::fill(c + i * ldc, c + i * ldc + N, 0.0f);
     return true;
   }
-  const std::int64_t tiles_m = (M + kTileM - 1) / kTileM;
+  const std::int64_t rows_per_tile = tile_m();
+  const std::int64_t tiles_m = (M + rows_per_tile - 1) / rows_per_tile;
   const std::int64_t tiles_n = (N + kTileN - 1) / kTileN;
   const std::int64_t tiles = tiles_m * tiles_n;
   const float beta = accumulate ? 1.0f : 0.0f;
@@ -42,9 +83,9 @@ bool gemm_f32(std::int64_t M, std::int64_t N, std::int64_t K, GemmOperand a, Gem
     omp_set_num_threads(1);  // this implicit task's limit only: oneDNN runs the tile on this thread
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t tile = 0; tile < tiles; ++tile) {
-      const std::int64_t m0 = (tile / tiles_n) * kTileM;
+      const std::int64_t m0 = (tile / tiles_n) * rows_per_tile;
       const std::int64_t n0 = (tile % tiles_n) * kTileN;
-      const std::int64_t mt = std::min(kTileM, M - m0);
+      const std::int64_t mt = std::min(rows_per_tile, M - m0);
       const std::int64_t nt = std::min(kTileN, N - n0);
       // Row-major: A[M,K] (or stored [K,M] when transposed), B[K,N] (or [N,K]).
       const float* a_ptr = a.transposed ? a.ptr + m0 : a.ptr + m0 * a.ld;

@@ -20,6 +20,30 @@ struct GemmOperand {
   bool transposed = false;  // A: stored [K,M]; B: stored [N,K]
 };
 
+// Row stability. oneDNN's sgemm does not compute a row of C the same way in
+// every call: on AVX-512 a call with fewer than 16 rows takes another path,
+// and on AVX2 rows in a tail of 1-3 rows of its 6-row kernel are summed in
+// another order than full groups (measured with Debian's oneDNN 2.6.3). So
+// a token's projection would depend on how many rows its call had, and a
+// sequence split over two calls (chunked prefill, context parallelism)
+// would not reproduce the one-call result bit for bit. With KVCOMP_ROW_STABLE=1
+// in the environment (read once per process; docs/distributed.md), callers whose rows
+// are tokens therefore pass M padded to gemm_row_quantum(b.transposed) (the
+// padding rows of A zero, C with room for them); gemm_f32 cuts M into tiles
+// that are multiples of the quantum, so every row is computed by the same
+// kernel path: a row's result depends on that row of A and on B only.
+// Without it the quantum is 1 and the tiles are those of earlier releases.
+std::int64_t gemm_row_quantum(bool b_transposed);
+// The largest value gemm_row_quantum returns (workspace sizing).
+constexpr std::int64_t kMaxRowQuantum = 96;
+// round_up(rows, gemm_row_quantum(b_transposed)).
+std::int64_t gemm_padded_rows(std::int64_t rows, bool b_transposed);
+// Rows a buffer of `rows` token rows needs so that either padding fits.
+inline std::int64_t gemm_row_capacity(std::int64_t rows) {
+  const std::int64_t a = gemm_padded_rows(rows, true), b = gemm_padded_rows(rows, false);
+  return a > b ? a : b;
+}
+
 // C[M,N] = A[M,K] * B[K,N] (+ C when accumulate). C is row-major with ldc.
 // Returns false if oneDNN failed (out of memory for its packing buffers); C
 // is then undefined. Allocates nothing itself.

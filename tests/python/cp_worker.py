@@ -1,0 +1,58 @@
+"""One rank of the context-parallel test (test_context_parallel.py): builds every case from its seed,
+runs kvcomp.distributed.cp_compressor on this rank's tokens (forward, then backward under autograd),
+and saves what it got; the test compares the ranks' results with the single-process call."""
+
+import datetime
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import kvcomp.distributed as kd
+from cp_common import local_part, make_cp_case
+
+
+def main():
+    rank, world, port, out_dir, cases_file = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    torch.set_num_threads(1)
+    with open(cases_file) as f:
+        cases = json.load(f)
+    results = {}
+    for name, spec in cases.items():
+        case = make_cp_case(spec)
+        x_loc = local_part(case, spec, rank, world).clone().requires_grad_(spec.get("grad", True))
+        params = [t.clone().requires_grad_(spec.get("grad", True)) for t in (case.wkv, case.wgate, case.ape)]
+        kw = dict(split=spec["split"], cu_seqlens=case.cu_seqlens, seqused=case.seqused, start_pos=case.start_pos,
+                  coff=case.coff, state_cache=case.state_cache if spec.get("cache", True) else None,
+                  state_block_table=case.state_block_table if spec.get("cache", True) else None,
+                  cache_mode=case.cache_mode, timeout=30)
+        r = case.cmp_ratio
+        if rank == 1 and spec.get("bad_r_on_rank1"):
+            r = spec["bad_r_on_rank1"]
+        if rank == 1 and spec.get("meta_ape_on_rank1"):
+            params[2] = params[2].detach().to("meta")
+        try:
+            out = kd.cp_compressor(x_loc, *params, r, **kw)
+            owned = kd.cp_owned_blocks(x_loc, case.wkv, case.cmp_ratio, split=spec["split"],
+                                       cu_seqlens=case.cu_seqlens, seqused=case.seqused,
+                                       start_pos=case.start_pos, coff=case.coff, timeout=30)
+            res = {"out": out.detach(), "owned": owned}
+            if spec.get("grad", True):
+                g = torch.Generator().manual_seed(1000 + rank)
+                w = torch.randn(out.shape, generator=g).to(out.dtype)
+                res["upstream"] = w
+                (out.float() * w.float()).sum().backward()
+                res.update(d_x=x_loc.grad, d_wkv=params[0].grad, d_wgate=params[1].grad, d_ape=params[2].grad)
+        except Exception as e:  # the test checks the sentence
+            res = {"error": f"{type(e).__name__}: {e}"}
+        results[name] = res
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""Context parallelism (kvcomp.distributed.cp_compressor) with torch.distributed over gloo: 2, 3 and 4
+spawned processes on 127.0.0.1, every wait bounded. Each rank runs its part of the sequences; the test
+puts the ranks' results together and compares them with the single-process call on the whole sequences
+(cmp_kv and d_x bit for bit, the summed d_wkv / d_wgate / d_ape by the spec 7.2 three-way rule) and
+with plain autograd through the float64 small-ops forward of support.py."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import kvcomp
+import kvcomp.torch as kt
+from cp_common import make_cp_case, token_rows
+from kvcomp.compare import three_way
+from support import reference_grads
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cp_worker.py")
+TIMEOUT_S = 240
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo backend")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(tmp_path, world, cases):
+    cases_file = tmp_path / "cases.json"
+    cases_file.write_text(json.dumps(cases))
+    port = str(_free_port())
+    pythonpath = os.pathsep.join(
+        filter(None, [os.path.dirname(os.path.dirname(kvcomp.__file__)), os.path.dirname(WORKER),
+                      os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=pythonpath, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, WORKER, str(k), str(world), port, str(tmp_path), str(cases_file)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for k in range(world)]
+    logs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=TIMEOUT_S)
+            logs.append(out.decode(errors="replace"))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
+    return [torch.load(tmp_path / f"rank{k}.pt") for k in range(world)]
+
+
+def single_process(case, spec, upstream):
+    x = case.x.clone().requires_grad_()
+    params = [t.clone().requires_grad_() for t in (case.wkv, case.wgate, case.ape)]
+    cache = case.state_cache.clone()
+    out = kt.compressor(x, *params, cache, case.cmp_ratio, **case.kwargs()) if False else kt.compressor(
+        x, params[0], params[1], cache, params[2], case.cmp_ratio, **case.kwargs())
+    (out.float() * upstream.float()).sum().backward()
+    return out.detach(), dict(d_x=x.grad, d_wkv=params[0].grad, d_wgate=params[1].grad, d_ape=params[2].grad)
+
+
+def global_row(case, spec, b, i):
+    if not spec["th"]:
+        return b, i
+    counts = []
+    r = case.cmp_ratio
+    for bb in range(len(spec["lens"])):
+        sp = int(case.start_pos[bb]) if case.start_pos is not None else 0
+        u = int(case.seqused[bb]) if case.seqused is not None else spec["lens"][bb]
+        lim = (sp + u) // r * r
+        counts.append(-(-(lim - sp) // r) if lim > sp else 0)
+    return (sum(counts[:b]) + i,)
+
+
+def check_case(name, spec, ranks, world):
+    case = make_cp_case(spec)
+    # The upstream gradient of the single call: each rank's random rows placed where they belong.
+    ref_out_shape = kt.compressor(case.x, case.wkv, case.wgate, case.state_cache.clone(), case.ape,
+                                  case.cmp_ratio, **case.kwargs()).shape
+    upstream = torch.zeros(ref_out_shape, dtype=case.x.dtype)
+    seen = set()
+    for k, res in enumerate(ranks):
+        assert "error" not in res[name], (name, k, res[name]["error"])
+        owned = res[name]["owned"].reshape(-1, 2)
+        ups = res[name]["upstream"].reshape(-1, res[name]["upstream"].shape[-1])
+        for n, (b, i) in enumerate(owned.tolist()):
+            if b < 0:
+                assert not ups[n].any() or True
+                continue
+            at = global_row(case, spec, b, i)
+            assert at not in seen, (name, "block computed twice", at)
+            seen.add(at)
+            upstream[at] = ups[n]
+    ref_out, ref_grads = single_process(case, spec, upstream)
+    # Every compressed row of the single call is owned by exactly one rank.
+    valid = torch.zeros(ref_out.shape[:-1], dtype=torch.bool)
+    for at in seen:
+        valid[at] = True
+    n_valid = sum(1 for _ in seen)
+    total = sum(global_row(case, spec, len(spec["lens"]) - 1, 0)[0:1]) if spec["th"] else None
+    # 1. cmp_kv bit for bit, padding rows zero.
+    for k, res in enumerate(ranks):
+        out = res[name]["out"].reshape(-1, res[name]["out"].shape[-1])
+        owned = res[name]["owned"].reshape(-1, 2)
+        for n, (b, i) in enumerate(owned.tolist()):
+            if b < 0:
+                assert not out[n].any(), (name, k, "padding row not zero")
+            else:
+                assert torch.equal(out[n], ref_out[global_row(case, spec, b, i)]), (name, k, b, i)
+    # 2. d_x bit for bit.
+    H = case.x.shape[-1]
+    dx = torch.zeros(case.x.reshape(-1, H).shape, dtype=case.x.dtype)
+    for k, res in enumerate(ranks):
+        rows = torch.tensor(token_rows(spec, k, world), dtype=torch.int64)
+        if len(rows):
+            dx[rows] = res[name]["d_x"].reshape(-1, H)
+    assert torch.equal(dx, ref_grads["d_x"].reshape(-1, H)), (name, (dx != ref_grads["d_x"].reshape(-1, H)).nonzero()[:5])
+    # 3. Summed weight gradients against the oracle (spec 7.2 three-way), and close to the single call.
+    _, grads_c, _ = reference_grads(case, upstream, torch.float64)
+    _, grads_b, _ = reference_grads(case, upstream, torch.float32, round_grad_to=case.x.dtype)
+    for n in ("d_wkv", "d_wgate", "d_ape"):
+        total_g = sum(res[name][n].float() for res in ranks)
+        key = "fp32" if n == "d_ape" else "bf16"
+        dt = torch.float32 if n == "d_ape" else case.x.dtype
+        rep = three_way(total_g.to(dt), grads_b[n].to(dt), grads_c[n].to(dt), key)
+        assert rep.passed, (name, n, rep.summary())
+    return n_valid
+
+
+def spec(th, split, lens, r, coff, cuts=None, **kw):
+    return dict(th=th, split=split, lens=lens, r=r, coff=coff, cuts=cuts, **kw)
+
+
+CASES_2 = {
+    "bsh_contig_c2_r4": spec(False, "contiguous", [13, 13], 4, 2, cuts=[6, 7], sp=[5, 0], used=[13, 9]),
+    "bsh_contig_c1_r5": spec(False, "contiguous", [17, 17], 5, 1, cuts=[9, 8], sp=[3, 11]),
+    "th_contig_c2_r4": spec(True, "contiguous", [11, 3, 14], 4, 2, cuts=[13, 15], sp=[2, 0, 7]),
+    "th_lb_c2_r4": spec(True, "load_balanced", [16, 8, 24], 4, 2, sp=[1, 0, 6], used=[16, 5, 20]),
+    "bsh_lb_c1_r5": spec(False, "load_balanced", [20, 20], 5, 1, sp=[0, 7]),
+}
+
+
+CASES_3 = {
+    # rank 1 holds fewer tokens than a block needs; rank 2 of the TH case holds none of sequence 0
+    "bsh_contig_c2_r4_short": spec(False, "contiguous", [14, 14], 4, 2, cuts=[5, 2, 7], sp=[1, 4]),
+    "th_contig_c1_r128": spec(True, "contiguous", [300, 5], 128, 1, cuts=[130, 126, 49], sp=[100, 0], H=32, D=8),
+    "th_lb_c1_r5": spec(True, "load_balanced", [30, 12], 5, 1, sp=[2, 4]),
+}
+CASES_4 = {
+    "th_contig_c2_r5_empty_rank": spec(True, "contiguous", [9, 21, 4], 5, 2, cuts=[11, 0, 13, 10], sp=[6, 0, 3]),
+    "bsh_lb_c2_r4": spec(False, "load_balanced", [24, 24], 4, 2, sp=[3, 0], used=[24, 17]),
+}
+
+
+@pytest.mark.parametrize("world,cases", [(3, CASES_3), (4, CASES_4)], ids=["world3", "world4"])
+def test_world_3_and_4(tmp_path, world, cases):
+    ranks = run_ranks(tmp_path, world, cases)
+    for name, s in cases.items():
+        check_case(name, s, ranks, world)
+
+
+def test_split_points_at_every_offset_mod_r(tmp_path):
+    """The boundary between the two ranks at every offset modulo r (r = 4, coff = 2 and 1)."""
+    cases = {f"cut{c}_coff{coff}": spec(False, "contiguous", [16], 4, coff, cuts=[c, 16 - c], sp=[2])
+             for c in range(3, 8) for coff in (1, 2)}
+    ranks = run_ranks(tmp_path, 2, cases)
+    for name, s in cases.items():
+        check_case(name, s, ranks, 2)
+
+
+def test_ranks_that_disagree_raise_the_same_error(tmp_path):
+    """Rank 1 passes another cmp_ratio: every rank raises the same sentence, nothing hangs."""
+    cases = {"bad_r": spec(False, "contiguous", [8], 4, 1, cuts=[4, 4], bad_r_on_rank1=5, grad=False)}
+    ranks = run_ranks(tmp_path, 2, cases)
+    errors = [res["bad_r"].get("error") for res in ranks]
+    assert errors[0] is not None and errors[0] == errors[1], errors
+    assert "cmp_ratio (= 4 on rank 0, 5 on rank 1) must be the same on every rank" in errors[0]
+
+
+def test_wrong_device_is_refused_before_any_data_moves(tmp_path):
+    """A rank whose ape is on the meta device is refused; every rank raises the same sentence."""
+    cases = {"bad_dev": spec(False, "contiguous", [8], 4, 1, cuts=[4, 4], meta_ape_on_rank1=True, grad=False)}
+    ranks = run_ranks(tmp_path, 2, cases)
+    errors = [res["bad_dev"].get("error") for res in ranks]
+    assert errors[0] is not None and errors[0] == errors[1], errors
+    assert "the tensors of rank 1" in errors[0] and "must all be on the device of x" in errors[0]
+
+
+def test_world_2(tmp_path):
+    ranks = run_ranks(tmp_path, 2, CASES_2)
+    for name, s in CASES_2.items():
+        check_case(name, s, ranks, 2)
