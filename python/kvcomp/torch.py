@@ -26,7 +26,7 @@ from torch import Tensor
 from . import _functional
 from ._errors import NULL_POINTER, KvcompError
 
-__all__ = ["compressor"]
+__all__ = ["compressor", "install_cann_ops_transformer"]
 
 
 def _leading_shape(x: Tensor, cu_seqlens: Optional[Tensor], cmp_ratio: int):
@@ -332,3 +332,7 @@ def compressor(
     return torch.ops.kvcomp.compressor_grad_anchor(
         cmp_kv, x, wkv, wgate, ape, softmax_score, kv, cu_seqlens, seqused, start_pos, cmp_ratio, coff
     )
+
+
+# Defined after the operators above, which it builds on; importing it installs nothing.
+from .npu_compat import install_cann_ops_transformer  # noqa: E402
