@@ -4,6 +4,9 @@ A script written for the NPU runs on CPU tensors by changing only its import::
 
     import kvcomp.torch as cann_ops_transformer   # was: import cann_ops_transformer
 
+A script that cannot be edited (``import cann_ops_transformer.ops``, ``torch.ops.cann_ops_transformer.*``)
+runs after ``install_cann_ops_transformer()``, an explicit opt-in (kvcomp.npu_compat).
+
 Three custom operators are registered with torch.library (schema, CPU kernel through the C++ core,
 fake kernel giving output shapes, so torch.compile traces them without graph breaks):
 
