@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import zlib
 
 import pytest
 import torch
@@ -166,9 +167,11 @@ def _oracle(model, x, cu_seqlens, d_out):
 @pytest.mark.parametrize("device", DEVICES)
 def test_mindspeed_style_client_against_float64(stand_in, name, device):
     spec = CLIENT_CASES[name]
-    model = StatelessPrefillCompressor(H, D, spec["r"], spec["coff"], seed=len(name))
-    x, cu = _client_inputs(spec["lens"], spec.get("th", False), seed=len(name) + 1)
-    probe = model(x, cu)
+    seed = zlib.crc32(name.encode()) % 1000
+    model = StatelessPrefillCompressor(H, D, spec["r"], spec["coff"], seed=seed)
+    x, cu = _client_inputs(spec["lens"], spec.get("th", False), seed=seed + 1)
+    with torch.no_grad():
+        probe = model(x, cu)
     d_out = torch.randn(probe.shape, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).double()
 
     model_dev = model.to(device)
