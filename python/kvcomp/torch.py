@@ -4,6 +4,9 @@ A script written for the NPU runs on CPU tensors by changing only its import::
 
     import kvcomp.torch as cann_ops_transformer   # was: import cann_ops_transformer
 
+A script that cannot be edited (``import cann_ops_transformer.ops``, ``torch.ops.cann_ops_transformer.*``)
+runs after ``install_cann_ops_transformer()``, an explicit opt-in (kvcomp.npu_compat).
+
 Three custom operators are registered with torch.library (schema, CPU kernel through the C++ core,
 fake kernel giving output shapes, so torch.compile traces them without graph breaks):
 
@@ -26,7 +29,7 @@ from torch import Tensor
 from . import _functional
 from ._errors import NULL_POINTER, KvcompError
 
-__all__ = ["compressor"]
+__all__ = ["compressor", "install_cann_ops_transformer"]
 
 
 def _leading_shape(x: Tensor, cu_seqlens: Optional[Tensor], cmp_ratio: int):
@@ -332,3 +335,7 @@ def compressor(
     return torch.ops.kvcomp.compressor_grad_anchor(
         cmp_kv, x, wkv, wgate, ape, softmax_score, kv, cu_seqlens, seqused, start_pos, cmp_ratio, coff
     )
+
+
+# Defined after the operators above, which it builds on; importing it installs nothing.
+from .npu_compat import install_cann_ops_transformer  # noqa: E402
