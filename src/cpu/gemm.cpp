@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 
 namespace kvcomp::detail {
 
@@ -31,24 +30,11 @@ bool onednn_has_avx512() {
   return yes;
 }
 
-// Opt-in (KVCOMP_ROW_STABLE=1, read once): the no-copy kernel that every
-// row then takes sums an fp32 chain of up to 384 products, while the small-M
-// path of short calls (decode, tiny remainders) is more accurate; by default
-// short calls keep that path.
-bool row_stable() {
-  static const bool yes = [] {
-    const char* v = std::getenv("KVCOMP_ROW_STABLE");
-    return v != nullptr && v[0] == '1';
-  }();
-  return yes;
-}
-
-std::int64_t tile_m() { return row_stable() && !onednn_has_avx512() ? 192 : 256; }
+std::int64_t tile_m() { return onednn_has_avx512() ? 256 : 192; }
 
 }  // namespace
 
 std::int64_t gemm_row_quantum(bool b_transposed) {
-  if (!row_stable()) return 1;
   if (onednn_has_avx512()) return 16;
   return b_transposed ? 96 : 64;
 }

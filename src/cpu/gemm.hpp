@@ -26,13 +26,11 @@ struct GemmOperand {
 // another order than full groups (measured with Debian's oneDNN 2.6.3). So
 // a token's projection would depend on how many rows its call had, and a
 // sequence split over two calls (chunked prefill, context parallelism)
-// would not reproduce the one-call result bit for bit. With KVCOMP_ROW_STABLE=1
-// in the environment (read once per process; docs/distributed.md), callers whose rows
+// would not reproduce the one-call result bit for bit. Callers whose rows
 // are tokens therefore pass M padded to gemm_row_quantum(b.transposed) (the
 // padding rows of A zero, C with room for them); gemm_f32 cuts M into tiles
 // that are multiples of the quantum, so every row is computed by the same
 // kernel path: a row's result depends on that row of A and on B only.
-// Without it the quantum is 1 and the tiles are those of earlier releases.
 std::int64_t gemm_row_quantum(bool b_transposed);
 // The largest value gemm_row_quantum returns (workspace sizing).
 constexpr std::int64_t kMaxRowQuantum = 96;
