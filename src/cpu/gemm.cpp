@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 
 namespace kvcomp::detail {
 
@@ -30,11 +31,24 @@ bool onednn_has_avx512() {
   return yes;
 }
 
-std::int64_t tile_m() { return onednn_has_avx512() ? 256 : 192; }
+// KVCOMP_ROW_STABLE=0 (read once per process) turns the padding off: calls
+// of fewer than 16 rows (decode) then take oneDNN's short-call path, about
+// twice as fast at one row (docs/performance.md), and their rows no longer
+// match the same tokens in a longer call.
+bool row_stable() {
+  static const bool yes = [] {
+    const char* v = std::getenv("KVCOMP_ROW_STABLE");
+    return v == nullptr || v[0] != '0';
+  }();
+  return yes;
+}
+
+std::int64_t tile_m() { return onednn_has_avx512() || !row_stable() ? 256 : 192; }
 
 }  // namespace
 
 std::int64_t gemm_row_quantum(bool b_transposed) {
+  if (!row_stable()) return 1;
   if (onednn_has_avx512()) return 16;
   return b_transposed ? 96 : 64;
 }

@@ -31,6 +31,8 @@ struct GemmOperand {
 // padding rows of A zero, C with room for them); gemm_f32 cuts M into tiles
 // that are multiples of the quantum, so every row is computed by the same
 // kernel path: a row's result depends on that row of A and on B only.
+// KVCOMP_ROW_STABLE=0 in the environment turns this off (quantum 1, the
+// tiles of earlier releases) for decode-bound serving.
 std::int64_t gemm_row_quantum(bool b_transposed);
 // The largest value gemm_row_quantum returns (workspace sizing).
 constexpr std::int64_t kMaxRowQuantum = 96;

@@ -1,0 +1,74 @@
+"""Row-stable products (src/cpu/gemm.hpp): a token's projection and its d_x row do not depend on how
+many rows its call has or where in the call it sits. So a sequence split over two calls (start_pos,
+the state cache carrying the rows in between) gives the one-call result bit for bit, and a sequence's
+outputs and d_x do not change when other sequences share its TH call. ctest runs this file twice:
+with oneDNN's own ISA choice and capped at AVX2 (DNNL_MAX_CPU_ISA), whose kernels differ."""
+
+import pytest
+import torch
+
+import kvcomp.torch as kt
+
+H, D, R = 96, 16, 4
+
+
+def _weights(coff, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    C = coff * D
+    wkv = (torch.randn(C, H, generator=g) / H**0.5).bfloat16()
+    wgate = (torch.randn(C, H, generator=g) / H**0.5).bfloat16()
+    ape = 0.5 * torch.randn(R, C, generator=g)
+    return wkv, wgate, ape
+
+
+@pytest.mark.parametrize("coff", [1, 2])
+@pytest.mark.parametrize("T,cuts", [(40, [1]), (40, [5, 6]), (300, [17]), (1100, [3, 1030]), (600, [257, 290])])
+def test_chunked_prefill_equals_one_call(coff, T, cuts):
+    wkv, wgate, ape = _weights(coff)
+    x = torch.randn(1, T, H, generator=torch.Generator().manual_seed(T)).bfloat16()
+    bs = 8
+    cols = -(-T // bs)
+    table = torch.arange(1, cols + 1, dtype=torch.int32)[None]
+    cache = torch.zeros(cols + 1, bs, 2 * coff * D)
+    whole = kt.compressor(x, wkv, wgate, cache, ape, R, state_block_table=table, coff=coff)
+    cache2 = torch.zeros_like(cache)
+    parts = []
+    bounds = [0] + cuts + [T]
+    for lo, hi in zip(bounds, bounds[1:]):
+        out = kt.compressor(x[:, lo:hi], wkv, wgate, cache2, ape, R, state_block_table=table, coff=coff,
+                            start_pos=torch.tensor([lo], dtype=torch.int32))
+        first = lo // R
+        n = (hi // R) - first  # blocks closed by this part
+        parts.append((first, out[0, :n]))
+    assert torch.equal(cache, cache2)  # every token's projection, bit for bit
+    for first, rows in parts:
+        assert torch.equal(rows, whole[0, first:first + rows.shape[0]])
+
+
+@pytest.mark.parametrize("coff", [1, 2])
+@pytest.mark.parametrize("other", [1, 7, 15, 16, 63, 250, 1021])
+def test_sequence_alone_or_after_others(coff, other):
+    """Forward output and d_x of one sequence, alone and after another sequence of `other` tokens."""
+    wkv, wgate, ape = _weights(coff)
+    g = torch.Generator().manual_seed(other)
+    xb = torch.randn(37, H, generator=g).bfloat16()
+    xa = torch.randn(other, H, generator=g).bfloat16()
+    dc = torch.randn(37 // R, D, generator=g).bfloat16()
+
+    def run(parts):
+        lens = [p.shape[0] for p in parts]
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+        x = torch.cat(parts).requires_grad_()
+        cache = torch.zeros(1, R, 2 * coff * D)
+        table = torch.zeros(len(lens), -(-max(lens) // R), dtype=torch.int32)
+        out = kt.compressor(x, wkv, wgate, cache, ape, R, state_block_table=table, cu_seqlens=cu, coff=coff)
+        before = sum(n // R for n in lens[:-1])
+        up = torch.zeros_like(out)
+        up[before:before + dc.shape[0]] = dc
+        (out.float() * up.float()).sum().backward()
+        return out[before:before + dc.shape[0]].detach(), x.grad[-37:]
+
+    out1, dx1 = run([xb])
+    out2, dx2 = run([xa, xb])
+    assert torch.equal(out1, out2)
+    assert torch.equal(dx1, dx2)
