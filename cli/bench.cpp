@@ -124,8 +124,8 @@ int run_bench(const BenchOptions& o) {
     return kExitStatus;
 #endif
   }
-  std::printf("kvcomp %s bench: %d threads, H=%lld, bf16 io, precise mode, %s kernels, best of %d\n",
-              version(), threads, static_cast<long long>(o.hidden), kernel_isa(), o.repeat);
+  std::printf("kvcomp %s bench: %d threads, H=%lld, bf16 io, precise mode, %s kernels, products %s, best of %d\n",
+              version(), threads, static_cast<long long>(o.hidden), kernel_isa(), product_kernels(), o.repeat);
   std::printf("%-6s %-10s %7s %5s | %9s %8s %6s | %9s %8s %6s %9s | %8s\n", "prof", "layout", "T", "cmp%",
               "fwd ms", "GFLOP/s", "x prod", "bwd ms", "GFLOP/s", "x prod", "x bf16pr", "peak MiB");
   int i = 0;

@@ -205,8 +205,9 @@ int run(int argc, char** argv) {
     if (demo->parsed()) return run_demo(demo_o);
     if (bench->parsed()) return run_bench(bench_o);
     if (info->parsed()) {
-      std::printf("kvcomp %s\ncpu kernels: %s\ncuda backend: %s\ncuda devices: %d\n", version(), kernel_isa(),
-                  has_cuda_backend() ? "yes" : "no (built without a CUDA toolkit)", cuda_device_count());
+      std::printf("kvcomp %s\ncpu kernels: %s\ncpu products: %s\ncuda backend: %s\ncuda devices: %d\n", version(),
+                  kernel_isa(), product_kernels(), has_cuda_backend() ? "yes" : "no (built without a CUDA toolkit)",
+                  cuda_device_count());
       return kExitOk;
     }
   } catch (const io::IoError& e) {

@@ -198,6 +198,14 @@ KVCOMP_API void release_cached_workspace();
 // environment variable KVCOMP_ISA; chosen once). Outputs do not depend on it.
 KVCOMP_API const char* kernel_isa();
 
+// The matrix-product kernels of the CPU backend in this process:
+// "bf16 (<oneDNN implementation>) + f32 (dnnl_sgemm)" where the CPU has bf16
+// dot-product units (AMX-BF16, AVX512-BF16) and KVCOMP_PRODUCTS=bf16 asks
+// for them (the forward projections of bf16 calls then run there), else
+// "f32 (dnnl_sgemm)". KVCOMP_ISA below avx512 keeps every product fp32.
+// Chosen once per process.
+KVCOMP_API const char* product_kernels();
+
 // Whether this build has the CUDA backend (configured with KVCOMP_CUDA), and
 // how many CUDA devices it sees (0 without the backend, a driver or a GPU).
 KVCOMP_API bool has_cuda_backend();

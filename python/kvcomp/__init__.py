@@ -26,6 +26,7 @@ from ._functional import (
 
 __version__ = _C.version()
 kernel_isa = _C.kernel_isa
+product_kernels = _C.product_kernels
 has_cuda_backend = _C.has_cuda_backend
 cuda_device_count = _C.cuda_device_count
 release_cached_workspace = _C.release_cached_workspace
@@ -39,6 +40,7 @@ __all__ = [
     "get_default_options",
     "has_cuda_backend",
     "kernel_isa",
+    "product_kernels",
     "release_cached_workspace",
     "set_default_options",
 ]

@@ -516,32 +516,40 @@ class _CPCompressor(torch.autograd.Function):
                 at += s.hi - s.lo
             src = torch.cat([xf, xf.new_zeros((1, xf.shape[1]))])
             x_loc = src.index_select(0, torch.cat(parts).to(dev))
-            dx_loc, d_wkv, d_wgate, _ = torch.ops.kvcomp.compressor_backward(
+            dx_loc, d_wkv, d_wgate, d_ape_loc = torch.ops.kvcomp.compressor_backward(
                 dc, x_loc, wkv, wgate, S, K, cu, None, sp, r, coff
             )
             d_x.index_copy_(0, torch.cat(own_rows).to(dev), dx_loc.index_select(0, torch.cat(own_loc).to(dev)))
-        d_ape = _d_ape(call, dc_own, S_own, K_own, wkv.shape[0])
+            d_ape = _without_other_tokens(call, seqs, d_ape_loc, dc, S, K)
+        else:
+            d_ape = torch.zeros((r, wkv.shape[0]), dtype=torch.float32, device=dev)
         return d_x.view(x.shape), d_wkv, d_wgate, d_ape, None, None
 
 
-def _d_ape(call, dc_own, S, K, C):
-    """d_ape of the blocks this rank owns (float64 sums of dZ over their rows after start_pos, spec 2.5).
-    The local backward call also sees rows of other ranks' tokens, so its own d_ape would count them twice."""
+def _without_other_tokens(call, seqs, d_ape_loc, dc, S, K):
+    """d_ape of this rank's tokens: the local call's d_ape less the dZ of the rows of other ranks'
+    tokens that its last blocks hold (those ranks count them), in float64 (spec 2.2, 2.5)."""
     plan, D, r, coff = call.plan, call.D, call.plan.r, call.plan.coff
-    if not call.owned:
-        return torch.zeros((r, C), dtype=torch.float32, device=call.device)
-    s64, k64 = S.double(), K.double()
-    dc = dc_own.double()[:, None, :]
-    w = (s64 * k64).sum(1, keepdim=True)
-    dz = s64 * dc * (k64 - w)
-    # Row i of a block is slot t = i // coff, half c = i % coff (c = coff-1: current block); its
-    # position is j*r + t - (coff-1-c)*r; rows before start_pos (cache, placeholders) get no gradient.
     i = torch.arange(coff * r)
-    rel = (i // coff) - (coff - 1 - i % coff) * r
-    first = torch.tensor([j * r - plan.sp[b] for b, j, _ in call.owned], dtype=torch.int64)
-    keep = (first[:, None] + rel[None, :]) >= 0
-    dz = dz * keep.to(dz.device, torch.float64)[:, :, None]
-    return dz.sum(0).reshape(r, C).to(torch.float32)
+    rel = (i // coff) - (coff - 1 - i % coff) * r  # row i's position relative to j*r
+    rows, masks, row = [], [], 0
+    for s in seqs:
+        sp = plan.sp[s.b]
+        for j in range(s.j_first, s.j_last + 1):
+            tok = j * r - sp + rel  # token index of each row
+            ext = tok >= s.own_hi
+            if bool(ext.any()):
+                rows.append(row)
+                masks.append(ext)
+            row += 1
+    if not rows:
+        return d_ape_loc
+    sel = torch.tensor(rows, dtype=torch.int64, device=call.device)
+    s64, k64 = S.index_select(0, sel).double(), K.index_select(0, sel).double()
+    dc64 = dc.index_select(0, sel).float().double()[:, None, :]
+    w = (s64 * k64).sum(1, keepdim=True)
+    dz = s64 * dc64 * (k64 - w) * torch.stack(masks).to(call.device, torch.float64)[:, :, None]
+    return (d_ape_loc.double() - dz.sum(0).reshape(r, coff * D)).to(torch.float32)
 
 
 def _local_checks(x, wkv, wgate, ape, state_cache, dev_type):
@@ -707,6 +715,7 @@ def cp_output_rows(x, cmp_ratio, split="contiguous", batches=None):
     return (min(n, n // r + (2 * batches if split == "load_balanced" else batches)),)
 
 
+@torch.compiler.disable  # point-to-point calls and the plan run eagerly; the graph around it compiles
 def cp_compressor(
     x,
     wkv,

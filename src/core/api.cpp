@@ -7,6 +7,7 @@
 #include <new>
 
 #include "cpu/backend.hpp"
+#include "cpu/gemm_bf16.hpp"
 #include "cpu/isa.hpp"
 #include "kvcomp/kvcomp.hpp"
 #include "kvcomp/version.hpp"
@@ -311,6 +312,8 @@ Status execute(BackwardPlan& plan, void* workspace, std::size_t workspace_size) 
 void release_cached_workspace() { t_workspace.release(); }
 
 const char* kernel_isa() { return detail::isa_name(detail::active_isa()); }
+
+const char* product_kernels() { return detail::product_kernels(); }
 
 Status compressor_forward(const ForwardArgs& args, const Options& options) {
   return run_one_call<ForwardPlan>(args, options);

@@ -5,6 +5,7 @@
 #include "cpu/backend.hpp"
 #include "cpu/convert.hpp"
 #include "cpu/gemm.hpp"
+#include "cpu/gemm_bf16.hpp"
 
 namespace kvcomp::detail {
 
@@ -16,12 +17,18 @@ struct ForwardBuffers {
   float* xf;                 // [Rp, ld_h]: the chunk's x rows in fp32, zero rows up to the GEMM's padded M
   float* proj;    // [coff*r + Rp, ld_c2]: projections (kv | score+ape) of the chunk and the rows before it
   void* scratch;  // forward_scratch_bytes(d) for each thread of forward_blocks
+  // bf16 products (gemm_bf16.hpp), when x is bf16 and the CPU has bf16 units:
+  bool bf16 = false;
+  void* packed_kv = nullptr;  // wkv and wgate packed for the primitive
+  void* packed_gate = nullptr;
+  std::uint16_t* xb = nullptr;  // [Rp, H] the chunk's x rows, zero rows up to a whole tile
   std::size_t size;
 
   ForwardBuffers(const Dims& d, int num_threads, void* base) {
     WorkspaceLayout ws(base);
-    // Rp: the chunk's rows padded for a row-stable product (gemm.hpp).
-    const std::int64_t Rp = gemm_row_capacity(std::min(kChunkRows, std::max<std::int64_t>(d.T, 1)));
+    // Rp: the chunk's rows padded for a row-stable product (gemm.hpp, gemm_bf16.hpp).
+    const std::int64_t R = std::min(kChunkRows, std::max<std::int64_t>(d.T, 1));
+    const std::int64_t Rp = std::max(gemm_row_capacity(R), (R + kBf16TileRows - 1) / kBf16TileRows * kBf16TileRows);
     ld_h = padded_ld(d.H);
     ld_c2 = padded_ld(2 * d.C);
     wcat = ws.take<float>(2 * d.C * ld_h);
@@ -29,6 +36,13 @@ struct ForwardBuffers {
     proj = ws.take<float>((d.coff * d.r + Rp) * ld_c2);
     scratch = ws.take<unsigned char>(static_cast<std::int64_t>(forward_scratch_bytes(d)) *
                                      forward_block_threads(d, num_threads));
+    const std::size_t packed = d.io == DType::bf16 ? bf16_packed_weight_bytes(d.C, d.H, d.H, ld_c2) : 0;
+    if (packed > 0) {
+      bf16 = true;
+      packed_kv = ws.take<unsigned char>(static_cast<std::int64_t>(packed));
+      packed_gate = ws.take<unsigned char>(static_cast<std::int64_t>(packed));
+      xb = ws.take<std::uint16_t>(Rp * d.H);
+    }
     size = ws.size();
   }
 };
@@ -67,8 +81,16 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
   const std::int64_t H = d.H, C = d.C;
   ForwardBuffers buf(d, num_threads, WorkspaceLayout::align(workspace));
   const std::size_t io_size = dtype_size(d.io);
-  rows_to_f32(args.wkv.data, d.io, C, H, buf.wcat, buf.ld_h, num_threads);
-  rows_to_f32(args.wgate.data, d.io, C, H, buf.wcat + C * buf.ld_h, buf.ld_h, num_threads);
+  if (buf.bf16) {
+    if (!bf16_pack_weights(C, H, H, buf.ld_c2, static_cast<const std::uint16_t*>(args.wkv.data), H,
+                           buf.packed_kv) ||
+        !bf16_pack_weights(C, H, H, buf.ld_c2, static_cast<const std::uint16_t*>(args.wgate.data), H,
+                           buf.packed_gate))
+      return {StatusCode::runtime_error, "[kvcomp] oneDNN reorder of the bf16 weights failed"};
+  } else {
+    rows_to_f32(args.wkv.data, d.io, C, H, buf.wcat, buf.ld_h, num_threads);
+    rows_to_f32(args.wgate.data, d.io, C, H, buf.wcat + C * buf.ld_h, buf.ld_h, num_threads);
+  }
 
   ForwardBlockIo io;
   io.cache = static_cast<float*>(args.state_cache.data);
@@ -94,16 +116,27 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
                    static_cast<std::size_t>((a - first) * buf.ld_c2) * sizeof(float));
     prev_first = first;
     float* rows = buf.proj + (a - first) * buf.ld_c2;
-    rows_to_f32(static_cast<const unsigned char*>(args.x.data) + static_cast<std::size_t>(a * H) * io_size,
-                d.io, n, H, buf.xf, buf.ld_h, num_threads);
-    // Zero rows up to the padded M, so each token's projection is computed
-    // alike whatever the chunk's row count (gemm.hpp, row stability).
-    const std::int64_t n_pad = gemm_padded_rows(n, true);
-    for (std::int64_t i = n; i < n_pad; ++i) std::fill(buf.xf + i * buf.ld_h, buf.xf + i * buf.ld_h + H, 0.0f);
-    // [new_kv | new_score] = x . [wkv ; wgate]^T
-    if (!gemm_f32(n_pad, 2 * C, H, {buf.xf, buf.ld_h, false}, {buf.wcat, buf.ld_h, true}, rows, buf.ld_c2, false,
-                  num_threads))
-      return {StatusCode::runtime_error, "[kvcomp] oneDNN matmul for the projections failed"};
+    const auto* x_rows = static_cast<const unsigned char*>(args.x.data) + static_cast<std::size_t>(a * H) * io_size;
+    if (buf.bf16) {
+      // [new_kv | new_score] = x . [wkv ; wgate]^T on the bf16 units: the chunk's rows in whole
+      // tiles (zero rows after them), two products into the two column halves.
+      const std::int64_t n_pad = (n + kBf16TileRows - 1) / kBf16TileRows * kBf16TileRows;
+      std::memcpy(buf.xb, x_rows, static_cast<std::size_t>(n * H) * sizeof(std::uint16_t));
+      std::memset(buf.xb + n * H, 0, static_cast<std::size_t>((n_pad - n) * H) * sizeof(std::uint16_t));
+      if (!gemm_bf16_nt(n_pad, C, H, buf.xb, H, buf.packed_kv, rows, buf.ld_c2, num_threads) ||
+          !gemm_bf16_nt(n_pad, C, H, buf.xb, H, buf.packed_gate, rows + C, buf.ld_c2, num_threads))
+        return {StatusCode::runtime_error, "[kvcomp] oneDNN bf16 matmul for the projections failed"};
+    } else {
+      rows_to_f32(x_rows, d.io, n, H, buf.xf, buf.ld_h, num_threads);
+      // Zero rows up to the padded M, so each token's projection is computed
+      // alike whatever the chunk's row count (gemm.hpp, row stability).
+      const std::int64_t n_pad = gemm_padded_rows(n, true);
+      for (std::int64_t i = n; i < n_pad; ++i) std::fill(buf.xf + i * buf.ld_h, buf.xf + i * buf.ld_h + H, 0.0f);
+      // [new_kv | new_score] = x . [wkv ; wgate]^T
+      if (!gemm_f32(n_pad, 2 * C, H, {buf.xf, buf.ld_h, false}, {buf.wcat, buf.ld_h, true}, rows, buf.ld_c2,
+                    false, num_threads))
+        return {StatusCode::runtime_error, "[kvcomp] oneDNN matmul for the projections failed"};
+    }
     add_ape(plan, static_cast<const float*>(args.ape.data), buf.proj, first, buf.ld_c2, a, b, num_threads);
     io.proj = buf.proj;
     io.proj_first = first;

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import kvcomp.distributed as kd
+import kvcomp.nn
 from cp_common import local_part, make_cp_case
 
 
@@ -35,8 +36,24 @@ def main():
             r = spec["bad_r_on_rank1"]
         if rank == 1 and spec.get("meta_ape_on_rank1"):
             params[2] = params[2].detach().to("meta")
+        module = None
+        if spec.get("module"):
+            # kvcomp.nn.Compressor with fp32 masters holding the case's bf16 weights (exactly), maybe in DDP.
+            module = kvcomp.nn.Compressor(case.x.shape[-1], case.wkv.shape[0] // case.coff, r, case.coff,
+                                          cp_group=dist.group.WORLD, cp_split=spec["split"])
+            with torch.no_grad():
+                module.wkv.copy_(case.wkv.float())
+                module.wgate.copy_(case.wgate.float())
+                module.ape.copy_(case.ape)
+            if spec.get("ddp"):
+                module = torch.nn.parallel.DistributedDataParallel(module)
         try:
-            out = kd.cp_compressor(x_loc, *params, r, **kw)
+            if module is not None:
+                out = module(x_loc, cu_seqlens=case.cu_seqlens, seqused=case.seqused, start_pos=case.start_pos,
+                             state_cache=kw["state_cache"], state_block_table=kw["state_block_table"],
+                             cache_mode=case.cache_mode, timeout=30)
+            else:
+                out = kd.cp_compressor(x_loc, *params, r, **kw)
             owned = kd.cp_owned_blocks(x_loc, case.wkv, case.cmp_ratio, split=spec["split"],
                                        cu_seqlens=case.cu_seqlens, seqused=case.seqused,
                                        start_pos=case.start_pos, coff=case.coff, timeout=30)
@@ -46,7 +63,15 @@ def main():
                 w = torch.randn(out.shape, generator=g).to(out.dtype)
                 res["upstream"] = w
                 (out.float() * w.float()).sum().backward()
-                res.update(d_x=x_loc.grad, d_wkv=params[0].grad, d_wgate=params[1].grad, d_ape=params[2].grad)
+                if module is not None:
+                    # Without DDP each rank has its partial sums; DDP leaves total / world on every
+                    # rank. Either way the test sums what the ranks report.
+                    m = module.module if spec.get("ddp") else module
+                    params = [p.grad for p in (m.wkv, m.wgate, m.ape)]
+                    res.update(d_x=x_loc.grad, d_wkv=params[0], d_wgate=params[1], d_ape=params[2])
+                else:
+                    res.update(d_x=x_loc.grad, d_wkv=params[0].grad, d_wgate=params[1].grad,
+                               d_ape=params[2].grad)
         except Exception as e:  # the test checks the sentence
             res = {"error": f"{type(e).__name__}: {e}"}
         results[name] = res

@@ -1,0 +1,98 @@
+"""``kvcomp.nn.Compressor``: the compressor as a module that owns its weights, single-process or
+context-parallel, so a model file uses kvcomp with one line::
+
+    self.compressor = kvcomp.nn.Compressor(hidden_size=4096, head_dim=512, cmp_ratio=4)   # C4A
+    ...
+    cmp_kv = self.compressor(x, cu_seqlens=cu)                 # one process
+    cmp_kv = self.compressor(x, cp_group=group)                # sequences split over `group`
+"""
+
+import math
+from typing import Optional
+
+import torch
+
+from . import distributed as _cp
+from . import torch as _kt
+from ._errors import NULL_POINTER, KvcompError
+
+__all__ = ["Compressor"]
+
+
+class Compressor(torch.nn.Module):
+    """Owns ``wkv``, ``wgate`` ``[coff*head_dim, hidden_size]`` and ``ape`` ``[cmp_ratio, coff*head_dim]``.
+
+    Initialised as DeepSeek-V4's reference model declares them: fp32 parameters (the checkpoint's bf16
+    weights are loaded into fp32 there), ``coff = 2`` (overlapping blocks) exactly when
+    ``cmp_ratio == 4``, the two projections initialised as ``torch.nn.Linear`` initialises its weight
+    (Kaiming-uniform), ``ape`` zero. ``forward`` casts the weights to the io dtype of ``x`` inside the
+    call, so autograd reaches the fp32 parameters (the mixed-precision pattern of NPU training
+    clients). The operator's attributes are module attributes: ``cmp_ratio``, ``coff``, ``head_dim``,
+    ``hidden_size``, and for context parallelism ``cp_group`` / ``cp_split`` (defaults for ``forward``).
+
+    Args:
+        hidden_size: H.
+        head_dim: D (C4A / C128A: 512, C4Li: 128).
+        cmp_ratio: r (4 or 128 in the reference model; any r >= 1 here).
+        coff: 1 or 2; default ``2 if cmp_ratio == 4 else 1``.
+        cp_group: a torch.distributed group to split sequences over by default (None: one process).
+        cp_split: ``"contiguous"`` or ``"load_balanced"`` (kvcomp.distributed).
+        device, dtype: of the parameters (default fp32).
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, cmp_ratio: int = 4, coff: Optional[int] = None, *,
+                 cp_group=None, cp_split: str = "contiguous", device=None, dtype=torch.float32):
+        super().__init__()
+        self.hidden_size, self.head_dim, self.cmp_ratio = int(hidden_size), int(head_dim), int(cmp_ratio)
+        self.coff = (2 if self.cmp_ratio == 4 else 1) if coff is None else int(coff)
+        self.cp_group, self.cp_split = cp_group, cp_split
+        c = self.coff * self.head_dim
+        kw = dict(device=device, dtype=dtype)
+        self.wkv = torch.nn.Parameter(torch.empty(c, self.hidden_size, **kw))
+        self.wgate = torch.nn.Parameter(torch.empty(c, self.hidden_size, **kw))
+        self.ape = torch.nn.Parameter(torch.empty(self.cmp_ratio, c, **kw))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        for w in (self.wkv, self.wgate):
+            torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+        torch.nn.init.zeros_(self.ape)
+
+    def extra_repr(self):
+        cp = f", cp_split={self.cp_split!r}" if self.cp_group is not None else ""
+        return (f"hidden_size={self.hidden_size}, head_dim={self.head_dim}, cmp_ratio={self.cmp_ratio}, "
+                f"coff={self.coff}{cp}")
+
+    def forward(self, x, *, cu_seqlens=None, seqused=None, start_pos=None, state_cache=None, state_block_table=None,
+                cache_mode: int = 1, cp_group=None, cp_split: Optional[str] = None, timeout: Optional[float] = None):
+        """cmp_kv of ``x`` (BSH ``[B, S, H]`` or TH ``[T, H]`` with ``cu_seqlens``), in ``x``'s dtype.
+
+        One process (no ``cp_group`` here or at construction): ``kvcomp.torch.compressor``; without a
+        ``state_cache`` the call is stateless (a one-block scratch cache that is never written, as NPU
+        training clients do), so no row may come from before the sequence: ``start_pos`` must then be
+        None. Context-parallel: ``x`` is this
+        rank's part, ``cu_seqlens`` / ``seqused`` / ``start_pos`` are global, and the result holds the
+        blocks this rank owns (``kvcomp.distributed.cp_compressor``).
+        """
+        group = cp_group if cp_group is not None else self.cp_group
+        wkv, wgate = self.wkv.to(x.dtype), self.wgate.to(x.dtype)
+        ape = self.ape.to(torch.float32)
+        if group is not None:
+            return _cp.cp_compressor(x, wkv, wgate, ape, self.cmp_ratio, group=group,
+                                     split=cp_split or self.cp_split, cu_seqlens=cu_seqlens, seqused=seqused,
+                                     start_pos=start_pos, coff=self.coff, state_cache=state_cache,
+                                     state_block_table=state_block_table, cache_mode=cache_mode, timeout=timeout)
+        if state_cache is None:
+            if start_pos is not None:
+                raise KvcompError(NULL_POINTER, "[kvcomp] state_cache (= None) must be given with start_pos: the "
+                                                "rows before start_pos come from it")
+            r = self.cmp_ratio
+            rows = x.shape[1] if x.dim() == 3 else x.shape[0]
+            batches = x.shape[0] if x.dim() == 3 else (cu_seqlens.shape[0] - 1 if cu_seqlens is not None else 0)
+            state_cache = x.new_zeros((1, r, 2 * self.coff * self.head_dim), dtype=torch.float32)
+            state_block_table = torch.zeros((max(batches, 0), max(1, -(-rows // r))), dtype=torch.int32,
+                                            device=x.device)
+            cache_mode = 1
+        return _kt.compressor(x, wkv, wgate, state_cache, ape, self.cmp_ratio, state_block_table=state_block_table,
+                              cu_seqlens=cu_seqlens, seqused=seqused, start_pos=start_pos, coff=self.coff,
+                              cache_mode=cache_mode)
