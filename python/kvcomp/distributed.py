@@ -330,26 +330,25 @@ def _forward_inputs(call):
     return index_parts, send
 
 
-def _assemble(index_parts, local, recvs, me, device):
+def _concat_rows(pieces):
+    """One tensor of the given row slices, copied once (a lone slice is returned as it is)."""
+    pieces = [p for p in pieces if p.shape[0] > 0]
+    if len(pieces) == 1:
+        return pieces[0]
+    return torch.cat(pieces)
+
+
+def _assemble(index_parts, local, recvs, me):
     """Rows of `local` and of the received buffers, in the order index_parts gives."""
-    srcs = [local]
-    base = {me: 0}
-    offset = local.shape[0]
-    pos = {}
-    for k in sorted(recvs):
-        base[k] = offset
-        srcs.append(recvs[k])
-        offset += recvs[k].shape[0]
-        pos[k] = 0
-    idx = []
+    pos = {k: 0 for k in recvs}
+    pieces = []
     for k, a, n in index_parts:
         if k == me:
-            idx.append((a, n))
+            pieces.append(local.narrow(0, a, n))
         else:
-            idx.append((base[k] + pos[k], n))
+            pieces.append(recvs[k].narrow(0, pos[k], n))
             pos[k] += n
-    src = torch.cat(srcs) if len(srcs) > 1 else local
-    return src.index_select(0, _rows_tensor(idx, device)), src
+    return _concat_rows(pieces)
 
 
 def _scratch_cache(call, seqs):
@@ -421,7 +420,7 @@ class _CPCompressor(torch.autograd.Function):
         S = K = None
         fwd_rows = torch.tensor([row for _, _, row in call.owned], dtype=torch.int64, device=dev)
         if seqs:
-            x_loc, _ = _assemble(index_parts, xf, recvs, me, dev)
+            x_loc = _assemble(index_parts, xf, recvs, me)
             cu, sp = _th_args(seqs, dev)
             cache, table = _scratch_cache(call, seqs)
             cmp_loc, S, K = torch.ops.kvcomp.compressor_forward(
@@ -470,7 +469,7 @@ class _CPCompressor(torch.autograd.Function):
         recvs = call.exchange(sends, {k: len(v) for k, v in need.items()}, D + 2 * cr * D, torch.float32,
                               "exchange of the blocks' gradients")
         seqs = plan.bwd[me]
-        d_x = torch.zeros_like(xf)
+        d_x = None
         d_wkv, d_wgate = torch.zeros_like(wkv), torch.zeros_like(wgate)
         if seqs:
             # Source rows: own blocks first, then each sender's blocks in order.
@@ -505,25 +504,42 @@ class _CPCompressor(torch.autograd.Function):
             K[: len(idx)] = torch.cat(k_src).index_select(0, sel).view(-1, cr, D)
             # x rows: this rank's tokens, then zero rows for the tokens after them (their d_x is
             # discarded and zero x rows add nothing to d_wkv / d_wgate).
-            zero_row = len(xf)
-            parts, own_loc, own_rows, at = [], [], [], 0
+            zeros = xf.new_zeros((coff * r, xf.shape[1]))  # more than any run of rows after a rank's tokens
+            parts, spans, at = [], [], 0
             for s in seqs:
                 n_own_tok = s.own_hi - s.own_lo
-                parts.append(torch.arange(s.row0, s.row0 + n_own_tok, dtype=torch.int64))
-                parts.append(torch.full((s.hi - s.lo - n_own_tok,), zero_row, dtype=torch.int64))
-                own_loc.append(torch.arange(at, at + n_own_tok, dtype=torch.int64))
-                own_rows.append(torch.arange(s.row0, s.row0 + n_own_tok, dtype=torch.int64))
+                parts.append(xf.narrow(0, s.row0, n_own_tok))
+                parts.append(zeros.narrow(0, 0, s.hi - s.lo - n_own_tok))
+                spans.append((s.row0, at, n_own_tok))
                 at += s.hi - s.lo
-            src = torch.cat([xf, xf.new_zeros((1, xf.shape[1]))])
-            x_loc = src.index_select(0, torch.cat(parts).to(dev))
+            x_loc = _concat_rows(parts)
             dx_loc, d_wkv, d_wgate, d_ape_loc = torch.ops.kvcomp.compressor_backward(
                 dc, x_loc, wkv, wgate, S, K, cu, None, sp, r, coff
             )
-            d_x.index_copy_(0, torch.cat(own_rows).to(dev), dx_loc.index_select(0, torch.cat(own_loc).to(dev)))
+            d_x = _place_rows(spans, dx_loc, xf)
             d_ape = _without_other_tokens(call, seqs, d_ape_loc, dc, S, K)
         else:
+            d_x = torch.zeros_like(xf)
             d_ape = torch.zeros((r, wkv.shape[0]), dtype=torch.float32, device=dev)
         return d_x.view(x.shape), d_wkv, d_wgate, d_ape, None, None
+
+
+def _place_rows(spans, dx_loc, xf):
+    """d_x of the rank's rows from the local call's: spans (row of x, row of the call, count); rows of x
+    outside every span (tail tokens, tokens past seqused) are zero. One copy, or none when the call's
+    first rows are exactly x's."""
+    T = xf.shape[0]
+    if len(spans) == 1 and spans[0][0] == 0 and spans[0][1] == 0 and spans[0][2] == T:
+        return dx_loc.narrow(0, 0, T)
+    pieces, row = [], 0
+    for x_row, loc_row, n in sorted(spans):
+        if x_row > row:
+            pieces.append(dx_loc.new_zeros((x_row - row, xf.shape[1])))
+        pieces.append(dx_loc.narrow(0, loc_row, n))
+        row = x_row + n
+    if row < T:
+        pieces.append(dx_loc.new_zeros((T - row, xf.shape[1])))
+    return _concat_rows(pieces) if pieces else torch.zeros_like(xf)
 
 
 def _without_other_tokens(call, seqs, d_ape_loc, dc, S, K):

@@ -40,7 +40,7 @@ def token_rows(spec, rank, world):
 
 
 def local_part(case, spec, rank, world):
-    rows = torch.tensor(token_rows(spec, rank, world), dtype=torch.int64)
+    rows = torch.tensor(token_rows(spec, rank, world), dtype=torch.int64, device=case.x.device)
     H = case.x.shape[-1]
     flat = case.x.reshape(-1, H).index_select(0, rows)
     if spec["th"]:

@@ -13,18 +13,23 @@ import torch.distributed as dist
 import kvcomp.distributed as kd
 import kvcomp.nn
 from cp_common import local_part, make_cp_case
+from support import on_device
 
 
 def main():
     rank, world, port, out_dir, cases_file = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    device = os.environ.get("CP_TEST_DEVICE", "cpu")
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    dist.init_process_group("nccl" if device != "cpu" else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     torch.set_num_threads(1)
     with open(cases_file) as f:
         cases = json.load(f)
     results = {}
     for name, spec in cases.items():
-        case = make_cp_case(spec)
+        case = on_device(make_cp_case(spec), device)
         x_loc = local_part(case, spec, rank, world).clone().requires_grad_(spec.get("grad", True))
         params = [t.clone().requires_grad_(spec.get("grad", True)) for t in (case.wkv, case.wgate, case.ape)]
         kw = dict(split=spec["split"], cu_seqlens=case.cu_seqlens, seqused=case.seqused, start_pos=case.start_pos,
@@ -57,10 +62,10 @@ def main():
             owned = kd.cp_owned_blocks(x_loc, case.wkv, case.cmp_ratio, split=spec["split"],
                                        cu_seqlens=case.cu_seqlens, seqused=case.seqused,
                                        start_pos=case.start_pos, coff=case.coff, timeout=30)
-            res = {"out": out.detach(), "owned": owned}
+            res = {"out": out.detach(), "owned": owned.cpu()}
             if spec.get("grad", True):
                 g = torch.Generator().manual_seed(1000 + rank)
-                w = torch.randn(out.shape, generator=g).to(out.dtype)
+                w = torch.randn(out.shape, generator=g).to(out.dtype).to(out.device)
                 res["upstream"] = w
                 (out.float() * w.float()).sum().backward()
                 if module is not None:
@@ -74,7 +79,7 @@ def main():
                                d_ape=params[2].grad)
         except Exception as e:  # the test checks the sentence
             res = {"error": f"{type(e).__name__}: {e}"}
-        results[name] = res
+        results[name] = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in res.items()}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

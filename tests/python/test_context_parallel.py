@@ -31,14 +31,15 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def run_ranks(tmp_path, world, cases):
+def run_ranks(tmp_path, world, cases, device="cpu"):
     cases_file = tmp_path / "cases.json"
     cases_file.write_text(json.dumps(cases))
     port = str(_free_port())
     pythonpath = os.pathsep.join(
         filter(None, [os.path.dirname(os.path.dirname(kvcomp.__file__)), os.path.dirname(WORKER),
                       os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, PYTHONPATH=pythonpath, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=pythonpath, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+               CP_TEST_DEVICE=device)
     procs = [subprocess.Popen([sys.executable, WORKER, str(k), str(world), port, str(tmp_path), str(cases_file)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for k in range(world)]
     logs = []
@@ -185,6 +186,17 @@ def test_module_and_ddp(tmp_path):
         "ddp_bsh_lb_c2": spec(False, "load_balanced", [16, 16], 4, 2, sp=[0, 2], module=True, ddp=True, H=64, D=16),
     }
     ranks = run_ranks(tmp_path, 2, cases)
+    for name, s in cases.items():
+        check_case(name, s, ranks, 2)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= 2 and kvcomp.has_cuda_backend()
+                         and dist.is_nccl_available()),
+                    reason="needs 2 CUDA devices, NCCL and a kvcomp build with the CUDA backend")
+def test_cuda_nccl(tmp_path):
+    """The same call on CUDA tensors over NCCL (one GPU per rank)."""
+    cases = {"th_contig_c2_r4": CASES_2["th_contig_c2_r4"], "bsh_lb_c1_r5": CASES_2["bsh_lb_c1_r5"]}
+    ranks = run_ranks(tmp_path, 2, cases, device="cuda")
     for name, s in cases.items():
         check_case(name, s, ranks, 2)
 
