@@ -107,27 +107,12 @@ def _forward(
     decides what is returned: the intermediates, or zeros of the same shape (the NPU leaves them
     unwritten), so the three outputs have upstream's shapes either way.
     """
-    leaves = (x, wkv, wgate, ape)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
-    cmp_kv, softmax_score, kv = torch.ops.kvcomp.compressor_forward(
-        x.detach(),
-        wkv.detach(),
-        wgate.detach(),
-        state_cache,
-        ape.detach(),
-        state_block_table,
-        cu_seqlens,
-        seqused,
-        start_pos,
-        cmp_ratio,
-        coff,
-        cache_mode,
-        bool(grad_enabled or needs_grad),
+    from .torch import forward_with_gradient
+
+    cmp_kv, softmax_score, kv = forward_with_gradient(
+        x, wkv, wgate, state_cache, ape, state_block_table, cu_seqlens, seqused, start_pos, cmp_ratio, coff,
+        cache_mode, grad_enabled
     )
-    if needs_grad:
-        cmp_kv = torch.ops.kvcomp.compressor_grad_anchor(
-            cmp_kv, x, wkv, wgate, ape, softmax_score, kv, cu_seqlens, seqused, start_pos, cmp_ratio, coff
-        )
     if not grad_enabled:
         block = tuple(cmp_kv.shape[:-1]) + (coff * cmp_ratio, cmp_kv.shape[-1])
         softmax_score = x.new_zeros(block, dtype=torch.float32)

@@ -299,24 +299,22 @@ def compressor(
             "aclnnCompressor on the Ascend 950 does (cache_mode 1: int32 [B, blocks per sequence], "
             "0 = do not write; cache_mode 2: int32 [B])",
         )
+    cmp_kv, _, _ = forward_with_gradient(
+        x, wkv, wgate, state_cache, ape, state_block_table, cu_seqlens, seqused, start_pos, cmp_ratio, coff,
+        cache_mode, False
+    )
+    return cmp_kv
+
+
+def forward_with_gradient(
+    x, wkv, wgate, state_cache, ape, state_block_table, cu_seqlens, seqused, start_pos, cmp_ratio, coff, cache_mode,
+    keep_intermediates,
+):
+    """(cmp_kv, softmax_score, kv) of compressor_forward_op, cmp_kv carrying CompressorGrad whenever any of
+    x, wkv, wgate, ape requires a gradient and grad mode is on (the intermediates are then kept; else
+    they are kept only when ``keep_intermediates``, and are empty [0] tensors otherwise). Shared by
+    ``compressor`` and the cann_ops_transformer stand-in (npu_compat)."""
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, wkv, wgate, ape))
-    if not needs_grad:
-        cmp_kv, _, _ = torch.ops.kvcomp.compressor_forward(
-            x,
-            wkv,
-            wgate,
-            state_cache,
-            ape,
-            state_block_table,
-            cu_seqlens,
-            seqused,
-            start_pos,
-            cmp_ratio,
-            coff,
-            cache_mode,
-            False,
-        )
-        return cmp_kv
     cmp_kv, softmax_score, kv = torch.ops.kvcomp.compressor_forward(
         x.detach(),
         wkv.detach(),
@@ -330,11 +328,13 @@ def compressor(
         cmp_ratio,
         coff,
         cache_mode,
-        True,
+        bool(keep_intermediates or needs_grad),
     )
-    return torch.ops.kvcomp.compressor_grad_anchor(
-        cmp_kv, x, wkv, wgate, ape, softmax_score, kv, cu_seqlens, seqused, start_pos, cmp_ratio, coff
-    )
+    if needs_grad:
+        cmp_kv = torch.ops.kvcomp.compressor_grad_anchor(
+            cmp_kv, x, wkv, wgate, ape, softmax_score, kv, cu_seqlens, seqused, start_pos, cmp_ratio, coff
+        )
+    return cmp_kv, softmax_score, kv
 
 
 # Defined after the operators above, which it builds on; importing it installs nothing.

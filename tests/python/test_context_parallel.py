@@ -6,9 +6,6 @@ with plain autograd through the float64 small-ops forward of support.py."""
 
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,6 +14,7 @@ import torch.distributed as dist
 import kvcomp
 import kvcomp.torch as kt
 from cp_common import make_cp_case, token_rows
+from spawn import free_port, run_workers
 from kvcomp.compare import three_way
 from support import reference_grads
 
@@ -25,34 +23,12 @@ TIMEOUT_S = 240
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo backend")
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(tmp_path, world, cases, device="cpu"):
     cases_file = tmp_path / "cases.json"
     cases_file.write_text(json.dumps(cases))
-    port = str(_free_port())
-    pythonpath = os.pathsep.join(
-        filter(None, [os.path.dirname(os.path.dirname(kvcomp.__file__)), os.path.dirname(WORKER),
-                      os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, PYTHONPATH=pythonpath, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
-               CP_TEST_DEVICE=device)
-    procs = [subprocess.Popen([sys.executable, WORKER, str(k), str(world), port, str(tmp_path), str(cases_file)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for k in range(world)]
-    logs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=TIMEOUT_S)
-            logs.append(out.decode(errors="replace"))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
+    port = free_port()
+    run_workers(WORKER, [[k, world, port, tmp_path, cases_file] for k in range(world)], TIMEOUT_S,
+                CP_TEST_DEVICE=device)
     return [torch.load(tmp_path / f"rank{k}.pt") for k in range(world)]
 
 
