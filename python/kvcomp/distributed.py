@@ -283,10 +283,10 @@ def _rows_tensor(segs, device):
 class _Call:
     """One call's plan and communication context."""
 
-    def __init__(self, group, timeout, plan, x, out_shape, D, C, H, io, state_cache, state_block_table, cache_mode):
+    def __init__(self, group, timeout, plan, x, out_shape, D, C, state_cache, state_block_table, cache_mode):
         self.group, self.timeout, self.plan = group, timeout, plan
         self.device = x.device
-        self.out_shape, self.D, self.C, self.H, self.io = out_shape, D, C, H, io
+        self.out_shape, self.D, self.C = out_shape, D, C
         self.state_cache, self.state_block_table, self.cache_mode = state_cache, state_block_table, cache_mode
         me = plan.rank
         self.owned = plan.owned(me)
@@ -579,7 +579,7 @@ def _local_checks(x, wkv, wgate, ape, state_cache, dev_type):
     return 0
 
 
-def _describe(x, wkv, ape, r, coff, split, cu_seqlens, seqused, start_pos, needs_grad, state_cache, cache_mode,
+def _describe(x, wkv, r, coff, split, cu_seqlens, seqused, start_pos, needs_grad, state_cache, cache_mode,
               world, dev_problem):
     d = [0] * len(_FIELDS)
     d[_F["group size"]] = world
@@ -628,7 +628,7 @@ def _check_agreement(descs, dev_type, backend):
         raise _err(INVALID_PARAM, f"group size (= {descs[0][_F['group size']]}) must be {world}")
 
 
-def _global_layout(descs, x, r, coff, split, cu_seqlens, seqused, start_pos):
+def _global_layout(descs, x, split, cu_seqlens, seqused, start_pos):
     world = len(descs)
     counts = [d[_F["local rows"]] for d in descs]
     bsh = x.dim() == 3
@@ -681,7 +681,7 @@ def _prepare(x, wkv, wgate, ape, cmp_ratio, group, split, cu_seqlens, seqused, s
     device, dev_type, backend = _group_device(group)
     dev_problem = _local_checks(x, wkv, wgate, ape, state_cache, dev_type)
     tmo = _timeout(timeout)
-    desc = _describe(x, wkv, ape, cmp_ratio, coff, split, cu_seqlens, seqused, start_pos, needs_grad,
+    desc = _describe(x, wkv, cmp_ratio, coff, split, cu_seqlens, seqused, start_pos, needs_grad,
                      state_cache, cache_mode, world, dev_problem)
     descs = _gather(desc, group, world, device, tmo)
     _check_agreement(descs, dev_type, backend)
@@ -691,11 +691,10 @@ def _prepare(x, wkv, wgate, ape, cmp_ratio, group, split, cu_seqlens, seqused, s
         raise _err(INVALID_PARAM, f"coff (= {coff}) must be 1 or 2 and divide wkv.shape[0] (= {wkv.shape[0]})")
     if cmp_ratio < 1:
         raise _err(INVALID_PARAM, f"cmp_ratio (= {cmp_ratio}) must be >= 1")
-    bsh, counts, B, lens, sp, used = _global_layout(descs, x, cmp_ratio, coff, split, cu_seqlens, seqused, start_pos)
+    bsh, counts, B, lens, sp, used = _global_layout(descs, x, split, cu_seqlens, seqused, start_pos)
     plan = _Plan(rank, world, bsh, split, counts, B, lens, sp, used, cmp_ratio, coff)
     C = wkv.shape[0]
     D = C // coff
-    H = x.shape[-1]
     # Blocks that read positions before start_pos need the caller's state cache.
     if state_cache is None and reads_cache:
         for k in range(world):
@@ -708,16 +707,11 @@ def _prepare(x, wkv, wgate, ape, cmp_ratio, group, split, cu_seqlens, seqused, s
     elif state_cache is not None and state_block_table is None:
         raise _err(NULL_POINTER, "state_block_table (= None) must be given with state_cache")
     out_shape = _output_shape(plan, x, cmp_ratio, D)
-    return _Call(group, tmo, plan, x, out_shape, D, C, H, x.dtype, state_cache, state_block_table, cache_mode)
+    return _Call(group, tmo, plan, x, out_shape, D, C, state_cache, state_block_table, cache_mode)
 
 
 def _output_shape(plan, x, r, D):
-    n = plan.counts[plan.rank]
-    if plan.bsh:
-        per = 2 * (-(-(n // 2) // r)) if plan.split == "load_balanced" else -(-n // r)
-        return (x.shape[0], per, D)
-    pieces = 2 * plan.B if plan.split == "load_balanced" else plan.B
-    return (min(n, n // r + pieces), D)
+    return tuple(cp_output_rows(x, r, plan.split, plan.B)) + (D,)
 
 
 def cp_output_rows(x, cmp_ratio, split="contiguous", batches=None):

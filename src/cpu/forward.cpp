@@ -13,8 +13,8 @@ namespace {
 
 struct ForwardBuffers {
   std::int64_t ld_h, ld_c2;  // padded leading dimensions
-  float* wcat;               // [2C, ld_h]: wkv rows then wgate rows, fp32
-  float* xf;                 // [Rp, ld_h]: the chunk's x rows in fp32, zero rows up to the GEMM's padded M
+  float* wcat = nullptr;  // [2C, ld_h]: wkv rows then wgate rows, fp32 (fp32 products only)
+  float* xf = nullptr;    // [Rp, ld_h]: the chunk's x rows in fp32, zero rows up to the GEMM's padded M
   float* proj;    // [coff*r + Rp, ld_c2]: projections (kv | score+ape) of the chunk and the rows before it
   void* scratch;  // forward_scratch_bytes(d) for each thread of forward_blocks
   // bf16 products (gemm_bf16.hpp), when x is bf16 and the CPU has bf16 units:
@@ -31,18 +31,19 @@ struct ForwardBuffers {
     const std::int64_t Rp = std::max(gemm_row_capacity(R), (R + kBf16TileRows - 1) / kBf16TileRows * kBf16TileRows);
     ld_h = padded_ld(d.H);
     ld_c2 = padded_ld(2 * d.C);
-    wcat = ws.take<float>(2 * d.C * ld_h);
-    xf = ws.take<float>(Rp * ld_h);
-    proj = ws.take<float>((d.coff * d.r + Rp) * ld_c2);
-    scratch = ws.take<unsigned char>(static_cast<std::int64_t>(forward_scratch_bytes(d)) *
-                                     forward_block_threads(d, num_threads));
     const std::size_t packed = d.io == DType::bf16 ? bf16_packed_weight_bytes(d.C, d.H, d.H, ld_c2) : 0;
-    if (packed > 0) {
-      bf16 = true;
+    bf16 = packed > 0;
+    if (bf16) {  // the bf16 products read x and the packed weights: no fp32 copies
       packed_kv = ws.take<unsigned char>(static_cast<std::int64_t>(packed));
       packed_gate = ws.take<unsigned char>(static_cast<std::int64_t>(packed));
       xb = ws.take<std::uint16_t>(Rp * d.H);
+    } else {
+      wcat = ws.take<float>(2 * d.C * ld_h);
+      xf = ws.take<float>(Rp * ld_h);
     }
+    proj = ws.take<float>((d.coff * d.r + Rp) * ld_c2);
+    scratch = ws.take<unsigned char>(static_cast<std::int64_t>(forward_scratch_bytes(d)) *
+                                     forward_block_threads(d, num_threads));
     size = ws.size();
   }
 };
