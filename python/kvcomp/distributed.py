@@ -3,13 +3,16 @@
 ``cp_compressor`` is ``kvcomp.torch.compressor`` for a rank that holds only part of every sequence.
 Blocks stay aligned on global positions; every compressed row is computed once, by its **owner**: the
 rank that holds the block's last token (position ``k*r + r - 1``). The rows a block needs from
-earlier ranks (at most ``coff*r - 1`` tokens of ``x``) arrive by point-to-point calls before the local
-forward. In the backward the owner sends the block's ``(d_cmp_kv row, softmax_score, kv)`` to every
-rank that holds one of its tokens, and each rank runs the backward of every block that touches its
-tokens itself: each token's ``d_new_kv`` / ``d_new_score`` row is then complete where the token lives,
-and its ``d_x`` row comes out of one product, exactly as in the single-process call (the products are
-row-stable, ``src/cpu/gemm.hpp``). So ``cmp_kv`` and ``d_x`` equal the single-process call bit for
-bit; ``d_wkv``, ``d_wgate``, ``d_ape`` are this rank's partial sums (sum them over the group: DDP's
+earlier ranks (at most ``coff*r - 1`` tokens of ``x``, the halo) arrive by point-to-point calls; a small
+local call projects them into a scratch state cache, from which the main local call (on this rank's
+rows of ``x`` as they are, no copy) reads them as chunked prefill reads its cache. In the backward the
+owner sends the block's ``(d_cmp_kv row, softmax_score, kv)`` to every rank that holds one of its
+tokens, and each rank runs the backward of every block that touches its tokens itself (with a gradient
+the forward's main call already runs on, in zero rows, to the end of those blocks, so its softmax_score
+and kv serve the backward as they are): each token's ``d_new_kv`` / ``d_new_score`` row is then
+complete where the token lives, and its ``d_x`` row comes out of one product, exactly as in the
+single-process call (the products are row-stable, ``src/cpu/gemm.hpp``). So ``cmp_kv`` and ``d_x``
+equal the single-process call bit for bit; ``d_wkv``, ``d_wgate``, ``d_ape`` are this rank's partial sums (sum them over the group: DDP's
 all-reduce, or ``all_reduce_gradients``).
 
 Layouts (``split``):
@@ -145,6 +148,22 @@ class _Seq:  # one sequence of a local TH call
     start_local: int  # start_pos of the local call (global position minus a multiple of r)
 
 
+@dataclasses.dataclass
+class _Local:  # one sequence of a rank's local calls (the forward's and the backward's are the same)
+    b: int
+    lo: int  # the piece's first token: the call's sequence starts there
+    hi: int  # the call's end (exclusive); tokens [own_hi, hi) belong to later ranks: zero rows
+    own_hi: int
+    row0: int  # local row of token lo
+    j_first: int  # the call's blocks: [j_first, j_own] close in the piece (this rank owns them),
+    j_own: int  # (j_own, j_last] close after it (their owners send them for the backward)
+    j_last: int
+    halo_lo: int  # the first owned block reads tokens [halo_lo, lo) too: the halo call's rows
+    start: int  # start_pos of the call (the global position of lo minus a multiple of r)
+    row: int = 0  # the call's first output row
+    tok: int = 0  # the call's first row of x
+
+
 class _Plan:
     """Everything a rank needs, computed identically on every rank from the gathered descriptors."""
 
@@ -161,7 +180,6 @@ class _Plan:
             lst.sort(key=lambda p: p.lo)
         self.starts = [[p.lo for p in lst] for lst in self.by_seq]
         self.fwd = [self._fwd_seqs(k) for k in range(world)]
-        self.bwd = [self._bwd_seqs(k) for k in range(world)]
 
     # -- the split ---------------------------------------------------------------------------------
     def _pieces(self, counts):
@@ -249,19 +267,30 @@ class _Plan:
             seqs.append(_Seq(p.b, lo, hi, max(lo, p.lo), hi, p.row0 + max(lo, p.lo) - p.lo, g // r, jb, g - shift))
         return seqs
 
-    def _bwd_seqs(self, k):
-        """Backward: per piece, every block that touches its tokens; tokens after the piece are zero rows."""
+    def local(self, k, grad):
+        """Rank k's local calls: per piece, one sequence from its first token on; with a gradient it runs
+        on, in zero rows, to the end of the last block that touches the piece (so the backward's blocks
+        are the forward's, and the forward's softmax_score / kv serve it without a copy)."""
         r, coff = self.r, self.coff
-        seqs = []
+        seqs, row, tok = [], 0, 0
         for p in self.pieces[k]:
             j0, j1 = self.blocks(p.b)
             sp = self.sp[p.b]
-            jl = max(j0, (sp + p.lo) // r)
-            jr = min(j1 - 1, (sp + p.hi - 1) // r + coff - 1)
-            if jl > jr:
+            jf = max(j0, (sp + p.lo) // r)
+            jo = min(j1 - 1, (sp + p.hi) // r - 1)
+            jl = max(jo, min(j1 - 1, (sp + p.hi - 1) // r + coff - 1)) if grad else jo
+            if jf > jl:
                 continue
-            hi = (jr + 1) * r - sp
-            seqs.append(_Seq(p.b, p.lo, hi, p.lo, min(p.hi, hi), p.row0, jl, jr, (sp + p.lo) % r))
+            # The piece's tokens after its last block join the call while they close no other block:
+            # the call's rows are then, piece after piece, x's own rows.
+            hi = max((jl + 1) * r - sp, min(p.hi, (jl + 2) * r - 1 - sp))
+            halo_lo = min(p.lo, max(0, (jf - coff + 1) * r - sp)) if jf <= jo else p.lo
+            g = sp + halo_lo
+            shift = 0 if g < coff * r else (g // r - coff) * r
+            seqs.append(_Local(p.b, p.lo, hi, min(p.hi, hi), p.row0, jf, jo, jl, halo_lo,
+                               g - shift + p.lo - halo_lo, row, tok))
+            row += jl - jf + 1
+            tok += hi - p.lo
         return seqs
 
     def owned(self, k):
@@ -283,7 +312,8 @@ def _rows_tensor(segs, device):
 class _Call:
     """One call's plan and communication context."""
 
-    def __init__(self, group, timeout, plan, x, out_shape, D, C, state_cache, state_block_table, cache_mode):
+    def __init__(self, group, timeout, plan, x, out_shape, D, C, state_cache, state_block_table, cache_mode,
+                 needs_grad):
         self.group, self.timeout, self.plan = group, timeout, plan
         self.device = x.device
         self.out_shape, self.D, self.C = out_shape, D, C
@@ -291,43 +321,48 @@ class _Call:
         me = plan.rank
         self.owned = plan.owned(me)
         self.owned_index = {(b, j): i for i, (b, j, _) in enumerate(self.owned)}
+        self.local = [plan.local(k, needs_grad) for k in range(plan.world)]
+        # Row of the local call's output for each owned block, in output order.
+        rows = [s.row + j - s.j_first for s in self.local[me] for j in range(s.j_first, s.j_own + 1)]
+        assert len(rows) == len(self.owned), "kvcomp internal error: the owned blocks of the plan and the call differ"
+        self.own_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
 
     def peer(self, k):
         return k if self.group is None else dist.get_global_rank(self.group, k)
 
     def exchange(self, sends, recv_counts, width, dtype, what):
-        """sends: {rank: [n, width] tensor}; recv_counts: {rank: n}. Returns {rank: tensor}."""
-        ops, recvs = [], {}
+        """sends: {rank: [n, width] tensor}; recv_counts: {rank: n}. Returns ({rank: tensor}, finish):
+        the receives are complete; finish() waits for the sends (call it after the local work, so that
+        a rank does not wait for a slower peer to take its rows before it computes)."""
+        ops, recvs, held = [], {}, []
         for k in sorted(recv_counts):
             if recv_counts[k] > 0:
                 buf = torch.empty((recv_counts[k], width), dtype=dtype, device=self.device)
                 recvs[k] = buf
                 ops.append(dist.P2POp(dist.irecv, buf, self.peer(k), self.group))
+        n_recv = len(ops)
         for k in sorted(sends):
             if sends[k].shape[0] > 0:
-                ops.append(dist.P2POp(dist.isend, sends[k].contiguous(), self.peer(k), self.group))
-        if ops:
-            _wait(dist.batch_isend_irecv(ops), self.timeout, what)
-        return recvs
+                held.append(sends[k].contiguous())
+                ops.append(dist.P2POp(dist.isend, held[-1], self.peer(k), self.group))
+        if not ops:
+            return recvs, lambda: None
+        works = dist.batch_isend_irecv(ops)
+        if len(works) != len(ops):  # one work for the batch (NCCL): all of it now
+            _wait(works, self.timeout, what)
+            return recvs, lambda: None
+        _wait(works[:n_recv], self.timeout, what)
+
+        def finish():
+            _wait(works[n_recv:], self.timeout, what)
+            held.clear()
+
+        return recvs, finish
 
 
-def _forward_inputs(call):
-    """Index data of this rank's local forward: which rows (local or received) form its TH call."""
-    plan, me = call.plan, call.plan.rank
-    sources = {}  # rank -> list of (first row, count) this rank receives from it, in order
-    index_parts = []  # ("local" | rank, first row in that source, count)
-    for s in plan.fwd[me]:
-        for k, a, n in plan.segments(s.b, s.lo, s.hi):
-            index_parts.append((k, a, n))
-    send = {}
-    for k in range(plan.world):
-        if k == me:
-            continue
-        segs = []
-        for s in plan.fwd[k]:
-            segs += [(a, n) for kk, a, n in plan.segments(s.b, s.lo, s.hi) if kk == me]
-        send[k] = segs
-    return index_parts, send
+def _halo_parts(plan, seqs):
+    """[(rank, first row, count)] holding the halo rows of `seqs`, sequence after sequence."""
+    return [part for s in seqs if s.halo_lo < s.lo for part in plan.segments(s.b, s.halo_lo, s.lo)]
 
 
 def _concat_rows(pieces):
@@ -351,27 +386,55 @@ def _assemble(index_parts, local, recvs, me):
     return _concat_rows(pieces)
 
 
+def _call_rows(seqs, xf):
+    """x of the local call: each piece's rows, then zero rows for the later ranks' tokens. A view of x
+    when the pieces are x's rows in order (no copy), else one copy."""
+    runs = []  # [first row of x, count] or [None, count of zero rows]
+    for s in seqs:
+        for a, n in ((s.row0, s.own_hi - s.lo), (None, s.hi - s.own_hi)):
+            if n == 0:
+                continue
+            if runs and a is not None and runs[-1][0] is not None and runs[-1][0] + runs[-1][1] == a:
+                runs[-1][1] += n
+            elif runs and a is None and runs[-1][0] is None:
+                runs[-1][1] += n
+            else:
+                runs.append([a, n])
+    if len(runs) == 1 and runs[0][0] is not None:
+        return xf.narrow(0, runs[0][0], runs[0][1])
+    out = xf.new_empty((sum(n for _, n in runs), xf.shape[1]))
+    at = 0
+    for a, n in runs:
+        if a is None:
+            out.narrow(0, at, n).zero_()
+        else:
+            out.narrow(0, at, n).copy_(xf.narrow(0, a, n))
+        at += n
+    return out
+
+
 def _scratch_cache(call, seqs):
-    """The local call's state cache: one block per sequence covering the positions read before its
-    start; the slots of positions before start_pos come from the caller's cache, the rest are zero."""
+    """The local calls' state cache: two blocks per sequence (positions [0, 2*(coff+1)*r) of its
+    call: the halo's, written by the halo call, and the slots before it, copied from the caller's cache
+    for positions before start_pos); the calls' later positions map to block 0, which is never written."""
     plan, C = call.plan, call.C
     r, coff = plan.r, plan.coff
     bs = (coff + 1) * r
     n = len(seqs)
-    cache = torch.zeros((n + 1, bs, 2 * C), dtype=torch.float32, device=call.device)
-    ends = [s.start_local + (s.hi - s.lo) for s in seqs]
-    cols = max(1, max((e + bs - 1) // bs for e in ends))
-    table = torch.zeros((n, cols), dtype=torch.int32, device=call.device)
-    table[:, 0] = torch.arange(1, n + 1, dtype=torch.int32, device=call.device)
-    for i, s in enumerate(seqs):
-        if call.state_cache is None:
-            break
-        sp = plan.sp[s.b]
-        g_start = sp + s.lo
-        shift = g_start - s.start_local
-        for g in range(max(0, g_start - coff * r), min(g_start, sp)):
-            cache[i + 1, g - shift] = _cache_slot(call, s.b, g)
-    return cache, table
+    cache = torch.zeros((2 * n + 1, bs, 2 * C), dtype=torch.float32, device=call.device)
+    cols = max(2, max(-(-(s.start + s.hi - s.lo) // bs) for s in seqs))
+    table = torch.zeros((n, cols), dtype=torch.int32)
+    table[:, 0] = torch.arange(1, 2 * n, 2, dtype=torch.int32)
+    table[:, 1] = torch.arange(2, 2 * n + 1, 2, dtype=torch.int32)
+    if call.state_cache is not None:
+        for i, s in enumerate(seqs):
+            sp = plan.sp[s.b]
+            g_start = sp + s.halo_lo
+            shift = g_start - (s.start - (s.lo - s.halo_lo))
+            for g in range(max(0, g_start - coff * r), min(g_start, sp)):
+                loc = g - shift
+                cache[2 * i + 1 + loc // bs, loc % bs] = _cache_slot(call, s.b, g)
+    return cache, table.to(call.device)
 
 
 def _cache_slot(call, b, g):
@@ -381,13 +444,12 @@ def _cache_slot(call, b, g):
     return sc[blk, g % bs].to(torch.float32)
 
 
-def _th_args(seqs, device):
+def _th_args(lens, starts, device):
     cu = [0]
-    for s in seqs:
-        cu.append(cu[-1] + (s.hi - s.lo))
-    cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
-    sp_t = torch.tensor([s.start_local for s in seqs], dtype=torch.int32, device=device)
-    return cu_t, sp_t
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return (torch.tensor(cu, dtype=torch.int32, device=device),
+            torch.tensor(starts, dtype=torch.int32, device=device))
 
 
 def _out_index(call):
@@ -405,122 +467,115 @@ def _out_index(call):
     return torch.tensor(rows, dtype=torch.int64, device=call.device)
 
 
+def _trailing(plan, local, owner):
+    """[(b, j, row of the local call)] of the blocks of `local` past their pieces that `owner` owns."""
+    return [(s.b, j, s.row + j - s.j_first) for s in local for j in range(s.j_own + 1, s.j_last + 1)
+            if plan.owner(s.b, j) == owner]
+
+
 class _CPCompressor(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, wkv, wgate, ape, call, needs_grad):
-        plan, me, dev, D = call.plan, call.plan.rank, call.device, call.D
+        plan, me, dev, D, r, coff = call.plan, call.plan.rank, call.device, call.D, call.plan.r, call.plan.coff
         xf = x.reshape(-1, x.shape[-1])
-        index_parts, send = _forward_inputs(call)
-        sends = {k: xf.index_select(0, _rows_tensor(segs, dev)) for k, segs in send.items()}
+        seqs = call.local[me]
+        # The halo rows: x rows of earlier tokens that this rank's first owned blocks read.
+        index_parts = _halo_parts(plan, seqs)
+        sends = {}
+        for k in range(plan.world):
+            if k != me:
+                segs = [(a, n) for kk, a, n in _halo_parts(plan, call.local[k]) if kk == me]
+                sends[k] = xf.index_select(0, _rows_tensor(segs, dev))
         recv_counts = {k: sum(n for kk, _, n in index_parts if kk == k) for k in range(plan.world) if k != me}
-        recvs = call.exchange(sends, recv_counts, xf.shape[1], xf.dtype, "exchange of the rows before each block")
-        seqs = plan.fwd[me]
+        recvs, sent = call.exchange(sends, recv_counts, xf.shape[1], xf.dtype,
+                                    "exchange of the rows before each block")
         cmp_kv = torch.zeros(call.out_shape, dtype=x.dtype, device=dev)
         out_idx = _out_index(call)
-        S = K = None
-        fwd_rows = torch.tensor([row for _, _, row in call.owned], dtype=torch.int64, device=dev)
+        S = K = x_loc = None
         if seqs:
-            x_loc = _assemble(index_parts, xf, recvs, me)
-            cu, sp = _th_args(seqs, dev)
             cache, table = _scratch_cache(call, seqs)
+            halo = [i for i, s in enumerate(seqs) if s.halo_lo < s.lo]
+            if halo:
+                # The halo call writes the halo rows' kv and score (APE included) into the scratch
+                # cache, where the main call reads them as it would read a state cache: the same fp32
+                # values the single call computes for those rows (row-stable products).
+                cu, sp = _th_args([seqs[i].lo - seqs[i].halo_lo for i in halo],
+                                  [seqs[i].start - (seqs[i].lo - seqs[i].halo_lo) for i in halo], dev)
+                sel = torch.tensor(halo, dtype=torch.int64, device=dev)
+                torch.ops.kvcomp.compressor_forward(_assemble(index_parts, xf, recvs, me), wkv, wgate, cache, ape,
+                                                    table.index_select(0, sel), cu, None, sp, r, coff, 1, False)
+            x_loc = _call_rows(seqs, xf)
+            cu, sp = _th_args([s.hi - s.lo for s in seqs], [s.start for s in seqs], dev)
             cmp_loc, S, K = torch.ops.kvcomp.compressor_forward(
-                x_loc, wkv, wgate, cache, ape, table, cu, None, sp, plan.r, plan.coff, 1, needs_grad
+                x_loc, wkv, wgate, cache, ape, table, cu, None, sp, r, coff, 1, needs_grad
             )
             if len(call.owned):
-                cmp_kv.view(-1, D).index_copy_(0, out_idx, cmp_loc.index_select(0, fwd_rows))
-            if needs_grad:
-                S, K = S.index_select(0, fwd_rows), K.index_select(0, fwd_rows)
+                cmp_kv.view(-1, D).index_copy_(0, out_idx, cmp_loc.index_select(0, call.own_rows))
+        sent()
         ctx.call = call
         ctx.out_idx = out_idx
         if needs_grad:
-            ctx.save_for_backward(x, wkv, wgate, S, K)
-            ctx.has_sk = S is not None
+            # softmax_score / kv stay attributes: the backward overwrites their rows of blocks past the
+            # pieces with the owners' (autograd would refuse saved tensors changed in place).
+            ctx.S, ctx.K = S, K
+            ctx.save_for_backward(x, wkv, wgate, x_loc)
         return cmp_kv
 
     @staticmethod
     def backward(ctx, d_cmp):
         call = ctx.call
         plan, me, dev, D, r, coff = call.plan, call.plan.rank, call.device, call.D, call.plan.r, call.plan.coff
-        x, wkv, wgate, S_own, K_own = ctx.saved_tensors
+        x, wkv, wgate, x_loc = ctx.saved_tensors
+        S, K = ctx.S, ctx.K
         xf = x.reshape(-1, x.shape[-1])
         n_own = len(call.owned)
         cr = coff * r
-        if not ctx.has_sk:
-            S_own = torch.zeros((0, cr, D), dtype=torch.float32, device=dev)
-            K_own = torch.zeros_like(S_own)
         dc_own = d_cmp.reshape(-1, D).index_select(0, ctx.out_idx) if n_own else d_cmp.new_zeros((0, D))
 
-        # Blocks other ranks own that touch this rank's tokens arrive packed as fp32
-        # [d_cmp_kv row | softmax_score | kv]; d_cmp_kv goes back to the io dtype exactly.
-        def wanted(k, owner):
-            return [(s.b, j) for s in plan.bwd[k] for j in range(s.j_first, s.j_last + 1) if plan.owner(s.b, j) == owner]
-
+        # The blocks this rank owns that reach into later ranks' tokens go to those ranks, packed as fp32
+        # [d_cmp_kv row | softmax_score | kv] (d_cmp_kv goes back to the io dtype exactly).
         sends = {}
         for k in range(plan.world):
             if k == me:
                 continue
-            ids = [call.owned_index[bj] for bj in wanted(k, me)]
-            if ids:
-                sel = torch.tensor(ids, dtype=torch.int64, device=dev)
-                sends[k] = torch.cat(
-                    [dc_own.index_select(0, sel).float(), S_own.index_select(0, sel).reshape(len(ids), -1),
-                     K_own.index_select(0, sel).reshape(len(ids), -1)], dim=1)
-        need = {k: wanted(me, k) for k in range(plan.world) if k != me}
-        recvs = call.exchange(sends, {k: len(v) for k, v in need.items()}, D + 2 * cr * D, torch.float32,
-                              "exchange of the blocks' gradients")
-        seqs = plan.bwd[me]
-        d_x = None
-        d_wkv, d_wgate = torch.zeros_like(wkv), torch.zeros_like(wgate)
-        if seqs:
-            # Source rows: own blocks first, then each sender's blocks in order.
-            dc_src, s_src, k_src = [dc_own.float()], [S_own.reshape(n_own, -1)], [K_own.reshape(n_own, -1)]
-            base, offset = {}, n_own
-            for k in sorted(recvs):
-                buf = recvs[k]
-                dc_src.append(buf[:, :D])
-                s_src.append(buf[:, D:D + cr * D])
-                k_src.append(buf[:, D + cr * D:])
-                base[k] = offset
-                offset += buf.shape[0]
-            pos = {k: 0 for k in recvs}
-            idx = []
-            for s in seqs:
-                for j in range(s.j_first, s.j_last + 1):
-                    o = plan.owner(s.b, j)
-                    if o == me:
-                        idx.append(call.owned_index[(s.b, j)])
-                    else:
-                        idx.append(base[o] + pos[o])
-                        pos[o] += 1
-            sel = torch.tensor(idx, dtype=torch.int64, device=dev)
-            cu, sp = _th_args(seqs, dev)
-            t_loc = int(cu[-1])
-            rows = min(t_loc, t_loc // r + len(seqs))
-            dc = torch.zeros((rows, D), dtype=x.dtype, device=dev)
-            S = torch.zeros((rows, cr, D), dtype=torch.float32, device=dev)
-            K = torch.zeros_like(S)
-            dc[: len(idx)] = torch.cat(dc_src).index_select(0, sel).to(x.dtype)
-            S[: len(idx)] = torch.cat(s_src).index_select(0, sel).view(-1, cr, D)
-            K[: len(idx)] = torch.cat(k_src).index_select(0, sel).view(-1, cr, D)
-            # x rows: this rank's tokens, then zero rows for the tokens after them (their d_x is
-            # discarded and zero x rows add nothing to d_wkv / d_wgate).
-            zeros = xf.new_zeros((coff * r, xf.shape[1]))  # more than any run of rows after a rank's tokens
-            parts, spans, at = [], [], 0
-            for s in seqs:
-                n_own_tok = s.own_hi - s.own_lo
-                parts.append(xf.narrow(0, s.row0, n_own_tok))
-                parts.append(zeros.narrow(0, 0, s.hi - s.lo - n_own_tok))
-                spans.append((s.row0, at, n_own_tok))
-                at += s.hi - s.lo
-            x_loc = _concat_rows(parts)
-            dx_loc, d_wkv, d_wgate, d_ape_loc = torch.ops.kvcomp.compressor_backward(
-                dc, x_loc, wkv, wgate, S, K, cu, None, sp, r, coff
-            )
-            d_x = _place_rows(spans, dx_loc, xf)
-            d_ape = _without_other_tokens(call, seqs, d_ape_loc, dc, S, K)
-        else:
-            d_x = torch.zeros_like(xf)
+            blocks = _trailing(plan, call.local[k], me)
+            if blocks:
+                ids = torch.tensor([call.owned_index[(b, j)] for b, j, _ in blocks], dtype=torch.int64, device=dev)
+                rows = call.own_rows.index_select(0, ids)
+                sends[k] = torch.cat([dc_own.index_select(0, ids).float(),
+                                      S.index_select(0, rows).reshape(len(blocks), -1),
+                                      K.index_select(0, rows).reshape(len(blocks), -1)], dim=1)
+        seqs = call.local[me]
+        need = {k: _trailing(plan, seqs, k) for k in range(plan.world) if k != me}
+        recvs, sent = call.exchange(sends, {k: len(v) for k, v in need.items()}, D + 2 * cr * D, torch.float32,
+                                    "exchange of the blocks' gradients")
+        if not seqs:
+            sent()
             d_ape = torch.zeros((r, wkv.shape[0]), dtype=torch.float32, device=dev)
+            return torch.zeros_like(x), torch.zeros_like(wkv), torch.zeros_like(wgate), d_ape, None, None
+        dc = torch.zeros((S.shape[0], D), dtype=x.dtype, device=dev)
+        if n_own:
+            dc.index_copy_(0, call.own_rows, dc_own)
+        for k, buf in recvs.items():
+            rows = torch.tensor([row for _, _, row in need[k]], dtype=torch.int64, device=dev)
+            dc.index_copy_(0, rows, buf[:, :D].to(x.dtype))
+            S.index_copy_(0, rows, buf[:, D:D + cr * D].view(-1, cr, D))
+            K.index_copy_(0, rows, buf[:, D + cr * D:].view(-1, cr, D))
+        mine = _trailing(plan, seqs, me)  # a piece followed by this rank's next one (load_balanced)
+        if mine:
+            rows = torch.tensor([row for _, _, row in mine], dtype=torch.int64, device=dev)
+            src = call.own_rows.index_select(
+                0, torch.tensor([call.owned_index[(b, j)] for b, j, _ in mine], dtype=torch.int64, device=dev))
+            for t in (dc, S, K):
+                t.index_copy_(0, rows, t.index_select(0, src))
+        cu, sp = _th_args([s.hi - s.lo for s in seqs], [s.start for s in seqs], dev)
+        # x_loc's zero rows (later ranks' tokens) add nothing to d_wkv / d_wgate; their d_x is dropped.
+        dx_loc, d_wkv, d_wgate, d_ape_loc = torch.ops.kvcomp.compressor_backward(
+            dc, x_loc, wkv, wgate, S, K, cu, None, sp, r, coff
+        )
+        d_x = _place_rows([(s.row0, s.tok, s.own_hi - s.lo) for s in seqs], dx_loc, xf)
+        d_ape = _without_other_tokens(call, seqs, d_ape_loc, dc, S, K)
+        sent()
         return d_x.view(x.shape), d_wkv, d_wgate, d_ape, None, None
 
 
@@ -544,20 +599,18 @@ def _place_rows(spans, dx_loc, xf):
 
 def _without_other_tokens(call, seqs, d_ape_loc, dc, S, K):
     """d_ape of this rank's tokens: the local call's d_ape less the dZ of the rows of other ranks'
-    tokens that its last blocks hold (those ranks count them), in float64 (spec 2.2, 2.5)."""
+    tokens that its blocks past the pieces hold (those ranks count them), in float64 (spec 2.2, 2.5)."""
     plan, D, r, coff = call.plan, call.D, call.plan.r, call.plan.coff
     i = torch.arange(coff * r)
     rel = (i // coff) - (coff - 1 - i % coff) * r  # row i's position relative to j*r
-    rows, masks, row = [], [], 0
+    rows, masks = [], []
     for s in seqs:
         sp = plan.sp[s.b]
-        for j in range(s.j_first, s.j_last + 1):
-            tok = j * r - sp + rel  # token index of each row
-            ext = tok >= s.own_hi
+        for j in range(s.j_own + 1, s.j_last + 1):  # only these hold tokens past the piece
+            ext = (j * r - sp + rel) >= s.own_hi
             if bool(ext.any()):
-                rows.append(row)
+                rows.append(s.row + j - s.j_first)
                 masks.append(ext)
-            row += 1
     if not rows:
         return d_ape_loc
     sel = torch.tensor(rows, dtype=torch.int64, device=call.device)
@@ -698,16 +751,17 @@ def _prepare(x, wkv, wgate, ape, cmp_ratio, group, split, cu_seqlens, seqused, s
     # Blocks that read positions before start_pos need the caller's state cache.
     if state_cache is None and reads_cache:
         for k in range(world):
-            for s in plan.fwd[k]:
+            for s in plan.fwd[k]:  # only a sequence's first coff blocks can read before its start
                 if s.lo == 0 and any(
                         plan.owner(s.b, j) == k and max(0, (j - coff + 1) * cmp_ratio) < sp[s.b]
-                        for j in range(s.j_first, s.j_last + 1)):
+                        for j in range(s.j_first, min(s.j_last, s.j_first + coff) + 1)):
                     raise _err(NULL_POINTER, f"state_cache (= None) must be given: sequence {s.b} starts at "
                                              f"start_pos {sp[s.b]} and its first block reads positions before it")
     elif state_cache is not None and state_block_table is None:
         raise _err(NULL_POINTER, "state_block_table (= None) must be given with state_cache")
     out_shape = _output_shape(plan, x, cmp_ratio, D)
-    return _Call(group, tmo, plan, x, out_shape, D, C, state_cache, state_block_table, cache_mode)
+    return _Call(group, tmo, plan, x, out_shape, D, C, state_cache, state_block_table, cache_mode,
+                 needs_grad)
 
 
 def _output_shape(plan, x, r, D):
