@@ -140,8 +140,8 @@ struct BackwardArgs : SequenceArgs {
 
   // outputs
   Tensor d_x;      // io dtype, shape of x
-  Tensor d_wkv;    // io dtype, [coff*D, H]
-  Tensor d_wgate;  // io dtype, [coff*D, H]
+  Tensor d_wkv;    // io dtype, [coff*D, H]; or f32 (both; extended profile, CPU): unrounded
+  Tensor d_wgate;  // io dtype, [coff*D, H]; f32 with d_wkv
   Tensor d_ape;    // f32, [cmp_ratio, coff*D]
 };
 

@@ -241,6 +241,7 @@ def compressor_grad(
     profile=None,
     precision=None,
     num_threads=None,
+    fp32_weight_grads=False,
 ):
     """The CompressorGrad backward (aclnnCompressorGrad) on torch tensors or numpy arrays.
 
@@ -250,8 +251,9 @@ def compressor_grad(
 
     Returns:
         (d_x, d_wkv, d_wgate, d_ape) of the kind of ``x``: d_x io shape of x (zero rows for tokens in
-        no compressed block), d_wkv and d_wgate io [C, H], d_ape fp32 [r, C]. No block at all gives
-        four zero outputs.
+        no compressed block), d_wkv and d_wgate io [C, H] (fp32, unrounded, with
+        ``fp32_weight_grads=True``: an extension, CPU only, for fp32 master weights and for partial
+        sums reduced before rounding), d_ape fp32 [r, C]. No block at all gives four zero outputs.
 
     Raises:
         KvcompError: the call was rejected (``.code`` is the aclnn status); nothing was written.
@@ -259,8 +261,8 @@ def compressor_grad(
     opts = _options(profile, precision, num_threads)
     xs, ws, gs = _in(x, "x"), _in(wkv, "wkv"), _in(wgate, "wgate")
     d_x = _empty(xs, _dims(xs))
-    d_wkv = _empty(xs, _dims(ws))
-    d_wgate = _empty(xs, _dims(gs))
+    d_wkv = _empty(xs, _dims(ws), fp32=fp32_weight_grads)
+    d_wgate = _empty(xs, _dims(gs), fp32=fp32_weight_grads)
     d_ape = _empty(xs, (max(int(cmp_ratio), 0), _dims(ws)[0] if len(_dims(ws)) == 2 else 0), fp32=True)
     _C.backward(
         xs,

@@ -67,6 +67,7 @@ _FIELDS = [
     "hidden size H",
     "batch count B",
     "io dtype",
+    "weight dtype (io or fp32)",
     "cu_seqlens / seqused / start_pos values",
     "need for a gradient",
     "precision",
@@ -476,9 +477,11 @@ def _trailing(plan, local, owner):
 class _CPCompressor(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, wkv, wgate, ape, call, needs_grad):
+        ctx.w_dtype = wkv.dtype
         plan, me, dev, D, r, coff = call.plan, call.plan.rank, call.device, call.D, call.plan.r, call.plan.coff
         xf = x.reshape(-1, x.shape[-1])
         seqs = call.local[me]
+        wkv, wgate = wkv.to(x.dtype), wgate.to(x.dtype)  # fp32 master weights: cast here (no-op otherwise)
         # The halo rows: x rows of earlier tokens that this rank's first owned blocks read.
         index_parts = _halo_parts(plan, seqs)
         sends = {}
@@ -549,10 +552,12 @@ class _CPCompressor(torch.autograd.Function):
         need = {k: _trailing(plan, seqs, k) for k in range(plan.world) if k != me}
         recvs, sent = call.exchange(sends, {k: len(v) for k, v in need.items()}, D + 2 * cr * D, torch.float32,
                                     "exchange of the blocks' gradients")
+        w_dt = ctx.w_dtype
         if not seqs:
             sent()
             d_ape = torch.zeros((r, wkv.shape[0]), dtype=torch.float32, device=dev)
-            return torch.zeros_like(x), torch.zeros_like(wkv), torch.zeros_like(wgate), d_ape, None, None
+            return (torch.zeros_like(x), torch.zeros_like(wkv, dtype=w_dt), torch.zeros_like(wgate, dtype=w_dt),
+                    d_ape, None, None)
         dc = torch.zeros((S.shape[0], D), dtype=x.dtype, device=dev)
         if n_own:
             dc.index_copy_(0, call.own_rows, dc_own)
@@ -570,9 +575,13 @@ class _CPCompressor(torch.autograd.Function):
                 t.index_copy_(0, rows, t.index_select(0, src))
         cu, sp = _th_args([s.hi - s.lo for s in seqs], [s.start for s in seqs], dev)
         # x_loc's zero rows (later ranks' tokens) add nothing to d_wkv / d_wgate; their d_x is dropped.
+        # fp32 master weights get fp32 partial sums (the CPU kernels write them unrounded), so the sum
+        # over the ranks is rounded once, by the optimizer's dtype, not once per rank.
+        fp32_w = w_dt == torch.float32 and x.dtype != torch.float32 and dev.type == "cpu"
         dx_loc, d_wkv, d_wgate, d_ape_loc = torch.ops.kvcomp.compressor_backward(
-            dc, x_loc, wkv, wgate, S, K, cu, None, sp, r, coff
+            dc, x_loc, wkv, wgate, S, K, cu, None, sp, r, coff, fp32_w
         )
+        d_wkv, d_wgate = d_wkv.to(w_dt), d_wgate.to(w_dt)
         d_x = _place_rows([(s.row0, s.tok, s.own_hi - s.lo) for s in seqs], dx_loc, xf)
         d_ape = _without_other_tokens(call, seqs, d_ape_loc, dc, S, K)
         sent()
@@ -632,7 +641,7 @@ def _local_checks(x, wkv, wgate, ape, state_cache, dev_type):
     return 0
 
 
-def _describe(x, wkv, r, coff, split, cu_seqlens, seqused, start_pos, needs_grad, state_cache, cache_mode,
+def _describe(x, wkv, wgate, r, coff, split, cu_seqlens, seqused, start_pos, needs_grad, state_cache, cache_mode,
               world, dev_problem):
     d = [0] * len(_FIELDS)
     d[_F["group size"]] = world
@@ -645,6 +654,7 @@ def _describe(x, wkv, r, coff, split, cu_seqlens, seqused, start_pos, needs_grad
     d[_F["hidden size H"]] = x.shape[-1]
     d[_F["batch count B"]] = x.shape[0] if x.dim() == 3 else (cu_seqlens.numel() - 1 if cu_seqlens is not None else -1)
     d[_F["io dtype"]] = _DTYPES.get(x.dtype, 0)
+    d[_F["weight dtype (io or fp32)"]] = _DTYPES.get(wkv.dtype, 0) if wgate.dtype == wkv.dtype else -1
     d[_F["cu_seqlens / seqused / start_pos values"]] = _index_hash([cu_seqlens, seqused, start_pos])
     d[_F["need for a gradient"]] = int(needs_grad)
     d[_F["precision"]] = 1 if _functional.get_default_options()["precision"] == "npu_parity" else 0
@@ -734,7 +744,7 @@ def _prepare(x, wkv, wgate, ape, cmp_ratio, group, split, cu_seqlens, seqused, s
     device, dev_type, backend = _group_device(group)
     dev_problem = _local_checks(x, wkv, wgate, ape, state_cache, dev_type)
     tmo = _timeout(timeout)
-    desc = _describe(x, wkv, cmp_ratio, coff, split, cu_seqlens, seqused, start_pos, needs_grad,
+    desc = _describe(x, wkv, wgate, cmp_ratio, coff, split, cu_seqlens, seqused, start_pos, needs_grad,
                      state_cache, cache_mode, world, dev_problem)
     descs = _gather(desc, group, world, device, tmo)
     _check_agreement(descs, dev_type, backend)
@@ -744,6 +754,9 @@ def _prepare(x, wkv, wgate, ape, cmp_ratio, group, split, cu_seqlens, seqused, s
         raise _err(INVALID_PARAM, f"coff (= {coff}) must be 1 or 2 and divide wkv.shape[0] (= {wkv.shape[0]})")
     if cmp_ratio < 1:
         raise _err(INVALID_PARAM, f"cmp_ratio (= {cmp_ratio}) must be >= 1")
+    if wkv.dtype != wgate.dtype or wkv.dtype not in (x.dtype, torch.float32):
+        raise _err(INVALID_PARAM, f"wkv and wgate (= {wkv.dtype}, {wgate.dtype}) must both have the io dtype "
+                                  f"{x.dtype} or both be fp32 (master weights)")
     bsh, counts, B, lens, sp, used = _global_layout(descs, x, split, cu_seqlens, seqused, start_pos)
     plan = _Plan(rank, world, bsh, split, counts, B, lens, sp, used, cmp_ratio, coff)
     C = wkv.shape[0]
@@ -803,7 +816,10 @@ def cp_compressor(
     Args:
         x: this rank's tokens, io dtype: BSH ``[B, S_k, H]`` or TH ``[T_k, H]`` (see the module doc for
             which tokens each split gives a rank).
-        wkv, wgate, ape, cmp_ratio, coff: as ``kvcomp.torch.compressor`` (the same on every rank).
+        wkv, wgate, ape, cmp_ratio, coff: as ``kvcomp.torch.compressor`` (the same on every rank);
+            ``wkv`` / ``wgate`` may also both be fp32 master weights with 16-bit ``x``: the call casts
+            them to the io dtype, and their gradients are fp32 partial sums, not rounded per rank (CPU;
+            on CUDA the io dtype's, widened).
         group: the context-parallel process group (gloo for CPU tensors, NCCL for CUDA tensors).
         split: ``"contiguous"`` or ``"load_balanced"``.
         cu_seqlens: TH only, the global int32 ``[B+1]`` prefix sums (the same on every rank).

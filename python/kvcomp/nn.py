@@ -75,9 +75,12 @@ class Compressor(torch.nn.Module):
         blocks this rank owns (``kvcomp.distributed.cp_compressor``).
         """
         group = cp_group if cp_group is not None else self.cp_group
-        wkv, wgate = self.wkv.to(x.dtype), self.wgate.to(x.dtype)
         ape = self.ape.to(torch.float32)
         if group is not None:
+            # fp32 parameters go in as they are: the call casts them and returns fp32 partial sums of
+            # their gradients (CPU), so the all-reduced gradient is rounded once.
+            master = self.wkv.dtype == torch.float32 and self.wgate.dtype == torch.float32
+            wkv, wgate = (self.wkv, self.wgate) if master else (self.wkv.to(x.dtype), self.wgate.to(x.dtype))
             return _cp.cp_compressor(x, wkv, wgate, ape, self.cmp_ratio, group=group,
                                      split=cp_split or self.cp_split, cu_seqlens=cu_seqlens, seqused=seqused,
                                      start_pos=start_pos, coff=self.coff, state_cache=state_cache,
@@ -93,6 +96,7 @@ class Compressor(torch.nn.Module):
             state_block_table = torch.zeros((max(batches, 0), max(1, -(-rows // r))), dtype=torch.int32,
                                             device=x.device)
             cache_mode = 1
+        wkv, wgate = self.wkv.to(x.dtype), self.wgate.to(x.dtype)
         return _kt.compressor(x, wkv, wgate, state_cache, ape, self.cmp_ratio, state_block_table=state_block_table,
                               cu_seqlens=cu_seqlens, seqused=seqused, start_pos=start_pos, coff=self.coff,
                               cache_mode=cache_mode)

@@ -85,8 +85,8 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
 
   if (plan.total_blocks == 0) {  // spec 2.7: four all-zero outputs, whatever the memory held
     zero_bytes(args.d_x.data, args.d_x.numel(), io_size);
-    zero_bytes(args.d_wkv.data, args.d_wkv.numel(), io_size);
-    zero_bytes(args.d_wgate.data, args.d_wgate.numel(), io_size);
+    zero_bytes(args.d_wkv.data, args.d_wkv.numel(), dtype_size(args.d_wkv.dtype));
+    zero_bytes(args.d_wgate.data, args.d_wgate.numel(), dtype_size(args.d_wgate.dtype));
     zero_bytes(args.d_ape.data, args.d_ape.numel(), sizeof(float));
     return Status::success();
   }
@@ -152,10 +152,12 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
   }
   auto* dwkv = static_cast<unsigned char*>(args.d_wkv.data);
   auto* dwgate = static_cast<unsigned char*>(args.d_wgate.data);
+  const DType w_dt = args.d_wkv.dtype;  // the io dtype, or fp32 (validated: the same for d_wgate)
+  const std::size_t w_size = dtype_size(w_dt);
 #pragma omp parallel for num_threads(num_threads) schedule(static)
   for (std::int64_t c = 0; c < C; ++c) {
-    from_f32(buf.dwcat + c * buf.ld_h, dwkv + static_cast<std::size_t>(c * H) * io_size, d.io, H);
-    from_f32(buf.dwcat + (C + c) * buf.ld_h, dwgate + static_cast<std::size_t>(c * H) * io_size, d.io, H);
+    from_f32(buf.dwcat + c * buf.ld_h, dwkv + static_cast<std::size_t>(c * H) * w_size, w_dt, H);
+    from_f32(buf.dwcat + (C + c) * buf.ld_h, dwgate + static_cast<std::size_t>(c * H) * w_size, w_dt, H);
   }
   auto* dape = static_cast<float*>(args.d_ape.data);
   for (std::int64_t i = 0; i < d.r * C; ++i) dape[i] = static_cast<float>(buf.dape[i]);

@@ -428,8 +428,18 @@ Status validate_backward(const BackwardArgs& a, const Options& o, BlockPlan* pla
     return s;
   if (auto s = check_rank_dtype("kv", a.kv, DType::f32, a.x.rank + 1); !s.ok()) return s;
   if (auto s = check_rank_dtype("d_x", a.d_x, d.io, a.x.rank); !s.ok()) return s;
-  if (auto s = check_rank_dtype("d_wkv", a.d_wkv, d.io, 2); !s.ok()) return s;
-  if (auto s = check_rank_dtype("d_wgate", a.d_wgate, d.io, 2); !s.ok()) return s;
+  // d_wkv / d_wgate: the io dtype, or (extended profile, CPU) both fp32: the weight gradients unrounded,
+  // for fp32 master weights and for partial sums that are reduced before any rounding.
+  const bool wgrad_f32 = a.d_wkv.dtype == DType::f32 && a.d_wgate.dtype == DType::f32 && d.io != DType::f32;
+  if (wgrad_f32 && o.profile == Profile::aclnn)
+    return invalid("d_wkv (dtype f32) must have the io dtype " + std::string(dtype_name(d.io)) +
+                   " under the aclnn profile (fp32 weight gradients are an extension)");
+  if (wgrad_f32 && a.d_wkv.device.type != DeviceType::cpu)
+    return invalid("d_wkv (dtype f32 on " + device_name(a.d_wkv.device) + ") must have the io dtype " +
+                   std::string(dtype_name(d.io)) + ": fp32 weight gradients are computed on the CPU only");
+  const DType wgrad_dt = wgrad_f32 ? DType::f32 : d.io;
+  if (auto s = check_rank_dtype("d_wkv", a.d_wkv, wgrad_dt, 2); !s.ok()) return s;
+  if (auto s = check_rank_dtype("d_wgate", a.d_wgate, wgrad_dt, 2); !s.ok()) return s;
   if (auto s = check_rank_dtype("d_ape", a.d_ape, DType::f32, 2); !s.ok()) return s;
   for (const auto& [name, t] : non_empty)
     if (t->numel() == 0)

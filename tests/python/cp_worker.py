@@ -32,6 +32,8 @@ def main():
         case = on_device(make_cp_case(spec), device)
         x_loc = local_part(case, spec, rank, world).clone().requires_grad_(spec.get("grad", True))
         params = [t.clone().requires_grad_(spec.get("grad", True)) for t in (case.wkv, case.wgate, case.ape)]
+        if spec.get("master"):  # fp32 master weights holding the case's bf16 weights exactly
+            params[:2] = [t.detach().float().requires_grad_(spec.get("grad", True)) for t in params[:2]]
         kw = dict(split=spec["split"], cu_seqlens=case.cu_seqlens, seqused=case.seqused, start_pos=case.start_pos,
                   coff=case.coff, state_cache=case.state_cache if spec.get("cache", True) else None,
                   state_block_table=case.state_block_table if spec.get("cache", True) else None,

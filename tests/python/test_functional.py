@@ -261,3 +261,39 @@ def test_cuda_tensors_reach_the_device_rule():
                 case.x.cuda(), case.wkv.cuda(), case.wgate.cuda(), cache, case.ape.cuda(), 4, **kw
             )
         assert e.value.code == 161002 and "no CUDA backend" in e.value.message
+
+
+@pytest.mark.parametrize("dtype,precision", [("bf16", "precise"), ("fp16", "precise"), ("bf16", "npu_parity")])
+def test_fp32_weight_grads_are_the_unrounded_sums(dtype, precision):
+    # fp32_weight_grads=True returns the fp32 accumulators the io outputs are rounded from: rounding
+    # them gives the io result bit for bit, and they are closer to the float64 oracle.
+    case = make_case(lens=[23, 17], r=4, coff=2, start_pos=[0, 6], dtype=dtype, H=40, seed=21)
+    cmp_kv, s, k = kvcomp.compressor_forward(case.x, case.wkv, case.wgate, case.state_cache.clone(), case.ape, 4,
+                                             grad_enabled=True, **case.kwargs())
+    d = torch.randn(cmp_kv.shape, generator=torch.Generator().manual_seed(5)).to(case.x.dtype)
+    args = (case.x, case.wkv, case.wgate, d, s, k, 4)
+    kw = dict(start_pos=case.start_pos, seqused=case.seqused, coff=2, precision=precision)
+    io = kvcomp.compressor_grad(*args, **kw)
+    wide = kvcomp.compressor_grad(*args, fp32_weight_grads=True, **kw)
+    assert wide[1].dtype == wide[2].dtype == torch.float32
+    assert torch.equal(wide[0], io[0]) and torch.equal(wide[3], io[3])  # d_x, d_ape unchanged
+    _, oracle, _ = reference_grads(case, d, torch.float64)
+    for i, name in ((1, "d_wkv"), (2, "d_wgate")):
+        assert torch.equal(wide[i].to(case.x.dtype), io[i]), name
+        assert not torch.equal(wide[i], io[i].float()), name  # really wider than the io dtype
+        err_wide = (wide[i].double() - oracle[name]).abs().sum()
+        err_io = (io[i].double() - oracle[name]).abs().sum()
+        # precise: the io rounding is most of the error; npu_parity rounds d_new to the io dtype first.
+        assert err_wide < (0.5 if precision == "precise" else 1.0) * err_io, (name, float(err_wide), float(err_io))
+
+
+def test_fp32_weight_grads_rejections():
+    case = make_case(lens=[8], r=4, dtype="bf16", D=128, H=1024, seed=8)
+    cmp_kv, s, k = kvcomp.compressor_forward(case.x, case.wkv, case.wgate, case.state_cache.clone(), case.ape, 4,
+                                             grad_enabled=True, **case.kwargs())
+    kvcomp.compressor_grad(case.x, case.wkv, case.wgate, cmp_kv, s, k, 4, profile="aclnn")  # valid there
+    with pytest.raises(kvcomp.KvcompError) as e:  # the NPU's operator has io weight gradients only
+        kvcomp.compressor_grad(case.x, case.wkv, case.wgate, cmp_kv, s, k, 4, profile="aclnn",
+                               fp32_weight_grads=True)
+    assert e.value.code == 161002 and "d_wkv (dtype f32) must have the io dtype bf16 under the aclnn profile" \
+        in e.value.message
