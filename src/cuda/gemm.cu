@@ -28,12 +28,10 @@ using OpDesc = std::unique_ptr<cublasLtMatmulDescOpaque_t, DescDeleter>;
 using Layout = std::unique_ptr<cublasLtMatrixLayoutOpaque_t, DescDeleter>;
 using Pref = std::unique_ptr<cublasLtMatmulPreferenceOpaque_t, DescDeleter>;
 
-// A row-major [rows, cols] matrix with leading dimension ld is, to cuBLAS's
-// column-major eyes, its transpose: [cols, rows] with the same ld.
-cublasStatus_t layout(Layout* out, cudaDataType_t t, std::int64_t rows, std::int64_t cols, std::int64_t ld) {
+cublasStatus_t layout(Layout* out, const LtMatrix& m) {
   cublasLtMatrixLayout_t l = nullptr;
-  const cublasStatus_t s = cublasLtMatrixLayoutCreate(&l, t, static_cast<std::uint64_t>(cols),
-                                                      static_cast<std::uint64_t>(rows), ld);
+  const cublasStatus_t s = cublasLtMatrixLayoutCreate(&l, cuda_type(m.type), static_cast<std::uint64_t>(m.rows),
+                                                      static_cast<std::uint64_t>(m.cols), m.ld);
   out->reset(l);
   return s;
 }
@@ -50,30 +48,25 @@ std::uint32_t alignment(const void* p) {
 }  // namespace
 
 Status gemm(const GemmCall& g, void* workspace, std::size_t workspace_bytes, cudaStream_t stream) {
-  if (g.m == 0 || g.n == 0) return Status::success();
+  LtCall c;
+  if (auto s = lt_call(g, &c); !s.ok()) return s;  // before the empty-product exit: refused either way
+  if (c.m == 0 || c.n == 0) return Status::success();
   cublasLtHandle_t handle = nullptr;
   if (auto s = lt_handle(&handle); !s.ok()) return s;
-  // Row-major D = op(A) op(B) is column-major D^T = op(B)^T op(A)^T: cuBLAS
-  // multiplies B's view by A's view, with each transpose flag kept.
-  const cudaDataType_t in = cuda_type(g.in);
   const cublasComputeType_t compute = CUBLAS_COMPUTE_32F;  // fp32 inputs: no TF32
   auto check = [](cublasStatus_t s) { return s == CUBLAS_STATUS_SUCCESS; };
   cublasLtMatmulDesc_t op_raw = nullptr;
   if (cublasStatus_t s = cublasLtMatmulDescCreate(&op_raw, compute, CUDA_R_32F); !check(s))
     return cublas_error("cublasLtMatmulDescCreate", s);
   OpDesc op(op_raw);
-  const cublasOperation_t ta = g.b.transposed ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLAS's A is our B
-  const cublasOperation_t tb = g.a.transposed ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t ta = c.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t tb = c.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   cublasLtMatmulDescSetAttribute(op.get(), CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta);
   cublasLtMatmulDescSetAttribute(op.get(), CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb);
   Layout la, lb, ld;
-  // Stored shapes (row-major) of our A and B.
-  const std::int64_t a_rows = g.a.transposed ? g.k : g.m, a_cols = g.a.transposed ? g.m : g.k;
-  const std::int64_t b_rows = g.b.transposed ? g.n : g.k, b_cols = g.b.transposed ? g.k : g.n;
-  if (cublasStatus_t s = layout(&la, in, b_rows, b_cols, g.b.ld); !check(s)) return cublas_error("layout", s);
-  if (cublasStatus_t s = layout(&lb, in, a_rows, a_cols, g.a.ld); !check(s)) return cublas_error("layout", s);
-  if (cublasStatus_t s = layout(&ld, CUDA_R_32F, g.m, g.n, g.ldd); !check(s))
-    return cublas_error("layout", s);
+  if (cublasStatus_t s = layout(&la, c.a); !check(s)) return cublas_error("layout", s);
+  if (cublasStatus_t s = layout(&lb, c.b); !check(s)) return cublas_error("layout", s);
+  if (cublasStatus_t s = layout(&ld, c.d); !check(s)) return cublas_error("layout", s);
 
   cublasLtMatmulPreference_t pref_raw = nullptr;
   if (cublasStatus_t s = cublasLtMatmulPreferenceCreate(&pref_raw); !check(s))
@@ -85,7 +78,7 @@ Status gemm(const GemmCall& g, void* workspace, std::size_t workspace_bytes, cud
   cublasLtMatmulPreferenceSetAttribute(pref.get(), CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &no_split_k,
                                        sizeof no_split_k);
   // Rows of a chunk and halves of a panel start anywhere: tell the heuristic.
-  const std::uint32_t align_a = alignment(g.b.data), align_b = alignment(g.a.data), align_d = alignment(g.d);
+  const std::uint32_t align_a = alignment(c.a.data), align_b = alignment(c.b.data), align_d = alignment(c.d.data);
   cublasLtMatmulPreferenceSetAttribute(pref.get(), CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a,
                                        sizeof align_a);
   cublasLtMatmulPreferenceSetAttribute(pref.get(), CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b,
@@ -102,7 +95,7 @@ Status gemm(const GemmCall& g, void* workspace, std::size_t workspace_bytes, cud
     return cublas_error("cublasLtMatmulAlgoGetHeuristic (no algorithm without split-K)",
                         check(s) ? CUBLAS_STATUS_NOT_SUPPORTED : s);
   if (cublasStatus_t s =
-          cublasLtMatmul(handle, op.get(), &g.alpha, g.b.data, la.get(), g.a.data, lb.get(), &g.beta, g.d,
+          cublasLtMatmul(handle, op.get(), &c.alpha, c.a.data, la.get(), c.b.data, lb.get(), &c.beta, g.d,
                          ld.get(), g.d, ld.get(), &result.algo, workspace, workspace_bytes, stream);
       !check(s))
     return cublas_error("cublasLtMatmul", s);

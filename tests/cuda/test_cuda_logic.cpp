@@ -9,6 +9,7 @@
 
 #include <cstring>
 #include <memory>
+#include <vector>
 
 #include "cuda/drivers.hpp"
 #include "cuda/kernel_bodies.hpp"
@@ -19,27 +20,37 @@ namespace kvcomp::test {
 namespace {
 
 using ::kvcomp::detail::BlockPlan;
+using ::kvcomp::detail::bf16_to_f32;
+using ::kvcomp::detail::f32_to_bf16;
 using namespace ::kvcomp::detail::cuda;
 using i64 = std::int64_t;
 
 double load(const void* p, i64 i, DType dt) { return body::load_io(p, i, dt); }
 
+// cuBLASLt's column-major matmul as gemm() describes it (lt_call): the same
+// refusals, the same types, layouts and transposes, the products in double.
+Status emulate_lt(const GemmCall& g) {
+  LtCall c;
+  if (auto s = lt_call(g, &c); !s.ok()) return s;
+  auto at = [](const LtMatrix& x, bool trans, i64 i, i64 j) {  // op(x)(i, j)
+    const i64 r = trans ? j : i, col = trans ? i : j;
+    EXPECT_TRUE(r < x.rows && col < x.cols) << "element outside its layout";
+    return load(x.data, r + col * x.ld, x.type);
+  };
+  for (i64 j = 0; j < c.n; ++j)
+    for (i64 i = 0; i < c.m; ++i) {
+      double acc = 0;
+      for (i64 p = 0; p < c.k; ++p) acc += at(c.a, c.trans_a, i, p) * at(c.b, c.trans_b, p, j);
+      void* d = const_cast<void*>(c.d.data);
+      const i64 where = i + j * c.d.ld;
+      const float prev = c.beta != 0.0f ? static_cast<float>(load(d, where, c.d.type)) : 0.0f;
+      body::store_io(d, where, c.d.type, c.alpha * static_cast<float>(acc) + c.beta * prev);
+    }
+  return Status::success();
+}
+
 struct HostExec {
-  Status gemm(const GemmCall& g) {
-    for (i64 i = 0; i < g.m; ++i)
-      for (i64 j = 0; j < g.n; ++j) {
-        double acc = 0;
-        for (i64 k = 0; k < g.k; ++k) {
-          const double a = load(g.a.data, g.a.transposed ? k * g.a.ld + i : i * g.a.ld + k, g.in);
-          const double b = load(g.b.data, g.b.transposed ? j * g.b.ld + k : k * g.b.ld + j, g.in);
-          acc += a * b;
-        }
-        const i64 at = i * g.ldd + j;
-        const float prev = g.beta != 0.0f ? static_cast<float>(load(g.d, at, g.out)) : 0.0f;
-        body::store_io(g.d, at, g.out, g.alpha * static_cast<float>(acc) + g.beta * prev);
-      }
-    return Status::success();
-  }
+  Status gemm(const GemmCall& g) { return emulate_lt(g); }
   Status zero(void* p, std::size_t bytes) {
     if (bytes) std::memset(p, 0, bytes);
     return Status::success();
@@ -168,6 +179,59 @@ TEST(CudaLogicCache, SharedBlocksFollowTheSpecOrderLikeTheCpu) {
                               EXPECT_TRUE(::kvcomp::detail::cache_slots_alias(bp, cache_geometry(r.args)))
                                   << "the case must take the serial path";
                             });
+}
+
+// ---- The products: what gemm() hands cuBLASLt (lt_call), run by emulate_lt.
+
+// cuBLASLt with CUBLAS_COMPUTE_32F and fp32 scales runs 16-bit inputs into
+// fp32 or the same 16-bit type, fp32 into fp32; anything else is refused by
+// gemm() and by the emulation alike (never silently written as fp32).
+TEST(CudaLogicGemm, OutputTypesAreTheOnesCublasLtRuns) {
+  const DType types[] = {DType::f32, DType::bf16, DType::f16};
+  for (DType in : types)
+    for (DType out : types) {
+      const bool expected = out == DType::f32 || out == in;
+      float a = 1.0f, b = 1.0f, d[2] = {0.0f, 0.0f};
+      GemmCall g{1, 1, 1, in, {&a, 1, false}, {&b, 1, false}, d, 1};
+      g.out = out;
+      LtCall c;
+      const Status s = lt_call(g, &c);
+      EXPECT_EQ(s.ok(), expected) << dtype_name(in) << " -> " << dtype_name(out) << ": " << s.message;
+      EXPECT_EQ(emulate_lt(g).ok(), expected) << dtype_name(in) << " -> " << dtype_name(out);
+      if (s.ok()) {
+        EXPECT_EQ(c.d.type, out) << "D (and C) must be described in the requested dtype";
+        EXPECT_EQ(c.a.type, in);
+        EXPECT_EQ(c.b.type, in);
+      }
+    }
+}
+
+// A bf16-output product writes 2 bytes per element inside its rows (what
+// `kvcomp bench --device cuda` sizes its buffers for), values rounded once
+// from the fp32 accumulation; the bytes after D stay untouched.
+TEST(CudaLogicGemm, ABf16OutputStaysInsideItsBuffer) {
+  const i64 m = 5, n = 6, k = 7, ldd = 9;
+  std::vector<std::uint16_t> a(static_cast<std::size_t>(m * k)), b(static_cast<std::size_t>(n * k));
+  for (std::size_t i = 0; i < a.size(); ++i) a[i] = f32_to_bf16(0.25f * static_cast<float>(i % 7) - 0.5f);
+  for (std::size_t i = 0; i < b.size(); ++i) b[i] = f32_to_bf16(0.125f * static_cast<float>(i % 5) + 0.1f);
+  const std::size_t d_elems = static_cast<std::size_t>((m - 1) * ldd + n), guard = 16;
+  std::vector<std::uint16_t> d(d_elems + guard, 0xAAAA);
+  // x [m, k] times w [n, k]^T, the forward's shape.
+  GemmCall g{m, n, k, DType::bf16, {a.data(), k, false}, {b.data(), k, true}, d.data(), ldd};
+  g.out = DType::bf16;
+  LtCall c;
+  ASSERT_TRUE(lt_call(g, &c).ok());
+  EXPECT_EQ(c.d.extent_bytes(), d_elems * 2);
+  ASSERT_TRUE(emulate_lt(g).ok());
+  for (i64 i = 0; i < m; ++i)
+    for (i64 j = 0; j < n; ++j) {
+      double acc = 0;
+      for (i64 p = 0; p < k; ++p)
+        acc += static_cast<double>(bf16_to_f32(a[static_cast<std::size_t>(i * k + p)])) *
+               bf16_to_f32(b[static_cast<std::size_t>(j * k + p)]);
+      EXPECT_EQ(d[static_cast<std::size_t>(i * ldd + j)], f32_to_bf16(static_cast<float>(acc))) << i << "," << j;
+    }
+  for (std::size_t i = d_elems; i < d.size(); ++i) EXPECT_EQ(d[i], 0xAAAA) << "written past D at " << i;
 }
 
 }  // namespace
