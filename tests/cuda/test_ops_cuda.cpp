@@ -113,6 +113,24 @@ INSTANTIATE_TEST_SUITE_P(Issue11, CudaSweep, ::testing::ValuesIn(cuda_sweep()),
 
 // ---- Execution: a stream of the caller's, graph capture and replay.
 
+// A stream of the test's own. Declared before the plans made on it, so that
+// it is destroyed after them: a plan frees its device memory on its stream
+// when it goes (cudaFreeAsync), which needs the stream alive.
+struct OwnStream {
+  cudaStream_t s = nullptr;
+  OwnStream() { EXPECT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess); }
+  ~OwnStream() {
+    EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    EXPECT_EQ(cudaStreamDestroy(s), cudaSuccess);
+  }
+  OwnStream(const OwnStream&) = delete;
+  OwnStream& operator=(const OwnStream&) = delete;
+};
+
+// No error left pending on the thread: a test that leaves one would fail the
+// next test's first launch check in the same process.
+void expect_no_pending_error() { EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "a CUDA error was left pending"; }
+
 SweepCase graph_case() {
   return {.name = "graph", .th = true, .B = 3, .S = 40, .H = 64, .D = 32, .max_start_pos = 9};
 }
@@ -128,8 +146,8 @@ TEST(CudaExecution, ForwardAndBackwardReplayFromACudaGraph) {
   ASSERT_TRUE(on_gpu(direct_f, {}).ok());
   ASSERT_TRUE(on_gpu(direct_b, {}).ok());
 
-  cudaStream_t stream = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  OwnStream own;
+  cudaStream_t stream = own.s;
   Options o;
   o.stream = stream;
   ForwardArgs fa = graph_f.args;
@@ -169,8 +187,8 @@ TEST(CudaExecution, ForwardAndBackwardReplayFromACudaGraph) {
   cudaGraphDestroy(graph);
   cudaFree(fws);
   cudaFree(bws);
-  cudaStreamDestroy(stream);
-}
+  expect_no_pending_error();
+}  // fp and bp go first, then the stream (own)
 
 // Planning waits for the stream, which a capturing stream cannot do: refused
 // with the way out, and the capture stays usable.
@@ -182,8 +200,8 @@ TEST(CudaExecution, PlanningDuringACaptureIsRefused) {
   ForwardArgs a = r.args;
   DeviceMirror m;
   move_forward(m, a);
-  cudaStream_t stream = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  OwnStream own;
+  cudaStream_t stream = own.s;
   Options o;
   o.stream = stream;
   ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
@@ -197,7 +215,7 @@ TEST(CudaExecution, PlanningDuringACaptureIsRefused) {
       0u)
       << s.message;
   if (graph) cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
+  expect_no_pending_error();
 }
 
 // ---- Validation with device memory: the data rules give the CPU's status.
