@@ -30,6 +30,14 @@ Status check_device_memory(const std::vector<std::pair<const char*, const Tensor
 // plan before the capture.
 Status check_not_capturing(void* stream);
 
+// Execute queues on the plan's stream (Options::stream when planning): the
+// stream must be usable now. Refused: the legacy default stream while
+// another stream captures (the work could only run outside the graph, and
+// CUDA would invalidate that capture), and a stream whose capture was
+// invalidated. A capture on some other stream cannot be seen from here: the
+// work then runs at once, outside that graph (docs/cuda-design.md).
+Status check_execute_stream(void* stream);
+
 // Copies the int32 tensor t (on a CUDA device) into out: queued on `stream`,
 // then waits for it. Planning only.
 Status copy_index_to_host(const Tensor& t, void* stream, std::vector<std::int32_t>& out);

@@ -30,8 +30,8 @@ using Pref = std::unique_ptr<cublasLtMatmulPreferenceOpaque_t, DescDeleter>;
 
 cublasStatus_t layout(Layout* out, const LtMatrix& m) {
   cublasLtMatrixLayout_t l = nullptr;
-  const cublasStatus_t s = cublasLtMatrixLayoutCreate(&l, cuda_type(m.type), static_cast<std::uint64_t>(m.rows),
-                                                      static_cast<std::uint64_t>(m.cols), m.ld);
+  const cublasStatus_t s = cublasLtMatrixLayoutCreate(
+      &l, cuda_type(m.type), static_cast<std::uint64_t>(m.rows), static_cast<std::uint64_t>(m.cols), m.ld);
   out->reset(l);
   return s;
 }
@@ -78,7 +78,8 @@ Status gemm(const GemmCall& g, void* workspace, std::size_t workspace_bytes, cud
   cublasLtMatmulPreferenceSetAttribute(pref.get(), CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &no_split_k,
                                        sizeof no_split_k);
   // Rows of a chunk and halves of a panel start anywhere: tell the heuristic.
-  const std::uint32_t align_a = alignment(c.a.data), align_b = alignment(c.b.data), align_d = alignment(c.d.data);
+  const std::uint32_t align_a = alignment(c.a.data), align_b = alignment(c.b.data);
+  const std::uint32_t align_d = alignment(c.d.data);
   cublasLtMatmulPreferenceSetAttribute(pref.get(), CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a,
                                        sizeof align_a);
   cublasLtMatmulPreferenceSetAttribute(pref.get(), CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b,

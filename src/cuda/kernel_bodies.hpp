@@ -168,7 +168,17 @@ KVCOMP_HD void cache_write(const ForwardKernelArgs& p, i64 row, i64 col) {
   const i64 write_from = p.cache_mode == 1 ? s.sp : (ring_from > s.sp ? ring_from : s.sp);
   if (pos < write_from) return;
   if (p.cache_mode == 1 && p.table[b * p.table_cols + pos / p.block_size] == 0) return;  // id 0: do not write
-  float* slot = p.cache + cache_block(p, b, pos) * p.cache_stride0 + (pos % p.block_size) * 2 * g.C;
+  const i64 id = cache_block(p, b, pos);
+  if (p.cache_mode == 1 && p.last_writer_only) {
+    // Positions sharing this slot sit whole blocks apart; the last written
+    // one wins (the CPU writes in position order). Ring mode never wraps
+    // inside one call (block_size >= coff*r + S - 1).
+    for (i64 q = pos + p.block_size; q < s.sp + s.used; q += p.block_size) {
+      const i64 raw = p.table[b * p.table_cols + q / p.block_size];
+      if (raw != 0 && cache_block(p, b, q) == id) return;
+    }
+  }
+  float* slot = p.cache + id * p.cache_stride0 + (pos % p.block_size) * 2 * g.C;
   const float* src = p.panel + (row - p.panel_first) * p.panel_ld;
   float v = src[col];
   if (col >= g.C) v = v + p.ape[(pos % g.r) * g.C + (col - g.C)];
@@ -201,10 +211,13 @@ KVCOMP_HD void store_dnew(const BackwardKernelArgs& p, i64 at, float v) {
     case DnewMode::precise16: {
       // v = hi + lo / lo_scale: hi is v rounded to io, the difference is exact
       // in fp32 and the power-of-two scale keeps lo's 16-bit mantissa clear of
-      // the subnormal range.
+      // the subnormal range. Where hi overflows to +-inf (fp16 from |v| >=
+      // 65520; v infinite) lo is 0, not -+inf, so the products give the
+      // overflow's inf, as npu_parity does, rather than inf - inf = NaN.
       const float hi = round_to(v, p.g.io);
+      const bool hi_inf = (f2u(hi) & 0x7fffffffu) == 0x7f800000u;  // NaN stays NaN in both parts
       store_io(p.dnew_hi, at, p.g.io, hi);
-      store_io(p.dnew_lo, at, p.g.io, (v - hi) * p.lo_scale);
+      store_io(p.dnew_lo, at, p.g.io, hi_inf ? 0.0f : (v - hi) * p.lo_scale);
       break;
     }
   }

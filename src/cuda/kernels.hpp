@@ -43,6 +43,11 @@ struct ForwardKernelArgs {
   std::int64_t out_rows = 0;       // rows of cmp_kv
   std::int64_t bsh_rows = 0;       // BSH: output rows per batch; 0 for TH
   std::int64_t total_blocks = 0;
+  // The call's cache slots alias (the serial path): a batch's positions may
+  // share a slot (a paged table row repeating a block id), and only the
+  // batch's last such position writes it, as on the CPU. Off otherwise (no
+  // slot is written twice: nothing to look for).
+  bool last_writer_only = false;
 };
 
 // Blocks [g_lo, g_hi) (their rows in the panel): softmax over the rows of

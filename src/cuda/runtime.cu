@@ -75,6 +75,24 @@ Status check_not_capturing(void* stream) {
       "and the Python package plan on every call)");
 }
 
+Status check_execute_stream(void* stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  const cudaError_t e = cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &capture);
+  if (e == cudaErrorStreamCaptureImplicit) {
+    (void)cudaGetLastError();  // ours: reported below
+    return invalid(
+        "stream (= the legacy default stream, while another stream is capturing a CUDA graph) must be the "
+        "stream being captured: execute() queues on the stream the plan was made with (Options::stream); "
+        "plan with the capturing stream");
+  }
+  if (e != cudaSuccess) return cuda_error("cudaStreamIsCapturing", e);
+  if (capture == cudaStreamCaptureStatusInvalidated)
+    return invalid(
+        "stream (= capturing a CUDA graph whose capture was invalidated) must be capturing validly: end the "
+        "capture and begin again");
+  return Status::success();
+}
+
 Status copy_index_to_host(const Tensor& t, void* stream, std::vector<std::int32_t>& out) {
   const std::int64_t n = t.numel();
   out.assign(static_cast<std::size_t>(std::max<std::int64_t>(n, 0)), 0);
@@ -96,22 +114,33 @@ Status allocate_async(Device dev, void* stream, std::size_t bytes, void** out) {
   if (!guard.status().ok()) return guard.status();
   if (cudaError_t e =
           cudaMallocAsync(out, std::max<std::size_t>(bytes, 1), static_cast<cudaStream_t>(stream));
-      e != cudaSuccess)
+      e != cudaSuccess) {
+    (void)cudaGetLastError();  // reported below, so cleared here
     return {StatusCode::runtime_error,
             "[kvcomp] workspace (= " + std::to_string(bytes) +
                 " bytes of device memory) could not be allocated: " + cudaGetErrorString(e)};
+  }
   return Status::success();
 }
 
+namespace {
+// A free nobody can report (a destructor, the end of a one-call entry
+// point): its error is cleared here, where it is owned, so that the next
+// call does not find it.
+void free_quietly(void* p, cudaStream_t s) {
+  if (p && cudaFreeAsync(p, s) != cudaSuccess) (void)cudaGetLastError();
+}
+}  // namespace
+
 void free_async(Device dev, void* stream, void* p) {
   DeviceGuard guard(dev.index);
-  (void)cudaFreeAsync(p, static_cast<cudaStream_t>(stream));
+  free_quietly(p, static_cast<cudaStream_t>(stream));
 }
 
 DevicePlan::~DevicePlan() {
   DeviceGuard guard(device);
-  if (dev_batches) (void)cudaFreeAsync(dev_batches, stream);
-  if (dev_block_batch) (void)cudaFreeAsync(dev_block_batch, stream);
+  free_quietly(dev_batches, stream);
+  free_quietly(dev_block_batch, stream);
 }
 
 Status build_device_plan(const BlockPlan& plan, Device dev, void* stream, std::int64_t chunk_rows,

@@ -7,7 +7,9 @@
 // checks the real thing.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <vector>
 
@@ -64,8 +66,11 @@ struct HostExec {
       for (i64 d = 0; d < p.g.D; ++d) body::forward_block(p, blk, d);
     return Status::success();
   }
+  // One launch's threads run in no order: here the last row first, so that
+  // two threads writing one slot would give the first writer's value (the
+  // CPU keeps the last), and the emulation sees the race.
   Status cache_writes(const ForwardKernelArgs& p, i64 lo, i64 hi) {
-    for (i64 row = lo; row < hi; ++row)
+    for (i64 row = hi - 1; row >= lo; --row)
       for (i64 col = 0; col < 2 * p.g.C; ++col) body::cache_write(p, row, col);
     return Status::success();
   }
@@ -181,6 +186,46 @@ TEST(CudaLogicCache, SharedBlocksFollowTheSpecOrderLikeTheCpu) {
                             });
 }
 
+// A paged table row repeating a block id: one launch writes a slot from two
+// positions; only the batch's last writes it, as on the CPU.
+TEST(CudaLogicCache, RepeatedBlockIdsKeepTheLastWriterLikeTheCpu) {
+  check_repeated_block_ids([](ForwardRun& r, const Options& o) { return emulate(r, o); },
+                           [](const ForwardRun& r) {
+                             BlockPlan bp;
+                             ASSERT_TRUE(::kvcomp::detail::validate_forward(r.args, {}, &bp).ok());
+                             EXPECT_TRUE(::kvcomp::detail::cache_slots_alias(bp, cache_geometry(r.args)))
+                                 << "the case must take the serial path";
+                           });
+}
+
+// precise with fp16: a d_new past fp16's range has hi = +-inf; lo must then
+// be 0 (not -+inf), so that hi + lo / scale in the products is the overflow's
+// inf, not NaN. Finite values keep hi + lo / scale == v to fp16's bits.
+TEST(CudaLogicPrecise, Fp16OverflowGivesInfNotNan) {
+  for (DType io : {DType::f16, DType::bf16}) {
+    std::uint16_t hi[2] = {0, 0}, lo[2] = {0, 0};  // 4 bytes: load_io's fp32 branch stays in bounds
+    BackwardKernelArgs p;
+    p.g.io = io;
+    p.mode = DnewMode::precise16;
+    p.dnew_hi = hi;
+    p.dnew_lo = lo;
+    p.lo_scale = lo_scale(io);
+    const float big = io == DType::f16 ? 70000.0f : std::numeric_limits<float>::max();
+    const float inf = std::numeric_limits<float>::infinity();
+    for (float v : {big, -big, inf, -inf}) {
+      body::store_dnew(p, 0, v);
+      const float h = body::load_io(hi, 0, io), l = body::load_io(lo, 0, io);
+      const float sum = h + l / p.lo_scale;  // what the two products add up to, per unit weight
+      EXPECT_TRUE(std::isinf(h)) << dtype_name(io) << " " << v;
+      EXPECT_EQ(l, 0.0f) << dtype_name(io) << " " << v;
+      EXPECT_EQ(sum, v > 0 ? inf : -inf) << dtype_name(io) << " " << v;
+    }
+    body::store_dnew(p, 0, 1000.3f);
+    // About 16 (bf16) / 22 (fp16) bits of v reach the products.
+    EXPECT_NEAR(body::load_io(hi, 0, io) + body::load_io(lo, 0, io) / p.lo_scale, 1000.3, 1000.3 * 0x1p-15);
+  }
+}
+
 // ---- The products: what gemm() hands cuBLASLt (lt_call), run by emulate_lt.
 
 // cuBLASLt with CUBLAS_COMPUTE_32F and fp32 scales runs 16-bit inputs into
@@ -229,7 +274,8 @@ TEST(CudaLogicGemm, ABf16OutputStaysInsideItsBuffer) {
       for (i64 p = 0; p < k; ++p)
         acc += static_cast<double>(bf16_to_f32(a[static_cast<std::size_t>(i * k + p)])) *
                bf16_to_f32(b[static_cast<std::size_t>(j * k + p)]);
-      EXPECT_EQ(d[static_cast<std::size_t>(i * ldd + j)], f32_to_bf16(static_cast<float>(acc))) << i << "," << j;
+      EXPECT_EQ(d[static_cast<std::size_t>(i * ldd + j)], f32_to_bf16(static_cast<float>(acc)))
+          << i << "," << j;
     }
   for (std::size_t i = d_elems; i < d.size(); ++i) EXPECT_EQ(d[i], 0xAAAA) << "written past D at " << i;
 }

@@ -129,7 +129,9 @@ struct OwnStream {
 
 // No error left pending on the thread: a test that leaves one would fail the
 // next test's first launch check in the same process.
-void expect_no_pending_error() { EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "a CUDA error was left pending"; }
+void expect_no_pending_error() {
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "a CUDA error was left pending";
+}
 
 SweepCase graph_case() {
   return {.name = "graph", .th = true, .B = 3, .S = 40, .H = 64, .D = 32, .max_start_pos = 9};
@@ -215,6 +217,52 @@ TEST(CudaExecution, PlanningDuringACaptureIsRefused) {
       0u)
       << s.message;
   if (graph) cudaGraphDestroy(graph);
+  expect_no_pending_error();
+}
+
+// execute() queues on the plan's stream. Planned on the legacy default
+// stream, it cannot join a capture on another stream: refused with the way
+// out (without the check the launch failed with cudaErrorStreamCaptureImplicit
+// and invalidated the caller's capture).
+TEST(CudaExecution, ExecuteOnTheDefaultStreamDuringAnotherCaptureIsRefused) {
+  KVCOMP_REQUIRE_GPU();
+  const SweepCase c = graph_case();
+  auto rc = make_random_case(c.options(), c.forward_seed);
+  ForwardRun r(rc.problem, rc.in, c.io);
+  ForwardArgs a = r.args;
+  DeviceMirror m;
+  move_forward(m, a);
+  OwnStream capturing;
+  ForwardPlan plan;  // on the default stream
+  ASSERT_TRUE(plan_forward(a, {}, &plan).ok());
+  void* ws = nullptr;
+  ASSERT_EQ(cudaMalloc(&ws, plan.workspace_size()), cudaSuccess);
+  ASSERT_EQ(cudaStreamBeginCapture(capturing.s, cudaStreamCaptureModeGlobal), cudaSuccess);
+  const Status s = execute(plan, ws, plan.workspace_size());
+  cudaGraph_t graph = nullptr;
+  EXPECT_EQ(cudaStreamEndCapture(capturing.s, &graph), cudaSuccess) << "the caller's capture must stay valid";
+  EXPECT_EQ(s.code, StatusCode::invalid_param) << s.message;
+  const char* expected = "[kvcomp] stream (= the legacy default stream, while another stream is capturing";
+  EXPECT_EQ(s.message.rfind(expected, 0), 0u) << s.message;
+  if (graph) cudaGraphDestroy(graph);
+  cudaFree(ws);
+  expect_no_pending_error();
+}
+
+// An error the caller's own code left pending is not this call's: the call
+// succeeds (launch errors are read from each launch's return value).
+TEST(CudaExecution, AnErrorLeftPendingByTheCallerIsNotReportedAsOurs) {
+  KVCOMP_REQUIRE_GPU();
+  const SweepCase c = graph_case();
+  auto rc = make_random_case(c.options(), c.forward_seed);
+  round_io_inputs(rc.in, c.io);
+  ForwardRun ref(rc.problem, rc.in, c.io), r(rc.problem, rc.in, c.io);
+  ASSERT_TRUE(on_gpu(ref, {}).ok());
+  ASSERT_NE(cudaSetDevice(1 << 20), cudaSuccess);  // leaves cudaErrorInvalidDevice pending
+  const Status s = on_gpu(r, {});
+  EXPECT_TRUE(s.ok()) << s.message;
+  EXPECT_EQ(bytes_of(r.cmp_kv), bytes_of(ref.cmp_kv));
+  (void)cudaGetLastError();
   expect_no_pending_error();
 }
 
@@ -305,6 +353,11 @@ TEST(CudaValidation, ATableCorruptedAfterPlanningStaysInBounds) {
 TEST(CudaCache, SharedBlocksFollowTheSpecOrderLikeTheCpu) {
   KVCOMP_REQUIRE_GPU();
   check_shared_cache_blocks([](ForwardRun& r, const Options& o) { return on_gpu(r, o); });
+}
+
+TEST(CudaCache, RepeatedBlockIdsKeepTheLastWriterLikeTheCpu) {
+  KVCOMP_REQUIRE_GPU();
+  check_repeated_block_ids([](ForwardRun& r, const Options& o) { return on_gpu(r, o); });
 }
 
 // ---- Large cases: GPU against the CPU backend (itself checked against the oracle).
