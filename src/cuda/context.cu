@@ -1,11 +1,14 @@
 // Errors, the current device and the cuBLASLt handle: what the backend's
 // products and drivers share (also compiled into the CLI's GPU bench, with
 // gemm.cu, as the object library kvcomp_cuda_core).
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <string>
 #include <vector>
 
 #include "cuda/common.hpp"
+#include "cuda/gemm.hpp"
 
 namespace kvcomp::detail::cuda {
 
@@ -36,6 +39,14 @@ DeviceGuard::~DeviceGuard() {
   int now = -1;
   if (previous_ >= 0 && cudaGetDevice(&now) == cudaSuccess && now != previous_)
     if (cudaSetDevice(previous_) != cudaSuccess) (void)cudaGetLastError();  // ours, unreported: cleared
+}
+
+bool split_k_products() {
+  static const bool on = [] {
+    const char* v = std::getenv("KVCOMP_CUDA_PRODUCTS");
+    return v && std::strcmp(v, "splitk") == 0;
+  }();
+  return on;
 }
 
 Status lt_handle(cublasLtHandle_t* out) {

@@ -11,7 +11,12 @@ struct CudaExec {
   cudaStream_t stream;
   void* gemm_ws;
 
-  Status gemm(const GemmCall& g) { return cuda::gemm(g, gemm_ws, kGemmWorkspace, stream); }
+  Status gemm(const GemmCall& g) {
+    if (!split_k_products()) return cuda::gemm(g, gemm_ws, kGemmWorkspace, stream);
+    for (const GemmCall& part : split_k(g, kSplitKChunk))
+      if (auto s = cuda::gemm(part, gemm_ws, kGemmWorkspace, stream); !s.ok()) return s;
+    return Status::success();
+  }
   Status zero(void* p, std::size_t bytes) {
     if (bytes == 0) return Status::success();
     if (cudaError_t e = cudaMemsetAsync(p, 0, bytes, stream); e != cudaSuccess)

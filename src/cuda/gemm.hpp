@@ -15,9 +15,11 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "kvcomp/kvcomp.hpp"
 
@@ -99,9 +101,46 @@ inline Status lt_call(const GemmCall& g, LtCall* out) {
   return Status::success();
 }
 
+// Split-K over fixed K chunks (the switch KVCOMP_CUDA_PRODUCTS=splitk, for
+// the first GPU run to measure against the default): a product with an fp32
+// D and K > kSplitKChunk runs as one cuBLASLt call per chunk of kSplitKChunk
+// (the last one shorter), in K order, each adding its part to D in fp32 in
+// the epilogue (beta = 1 after the first; the epilogue runs on CUDA cores with
+// round-to-nearest). Tensor cores then accumulate at most kSplitKChunk
+// products per partial sum, and the partial sums add as a sequential fp32
+// sum: the error model of the fp32-projection bound. Fixed chunks, fixed
+// order: deterministic as the single call is.
+constexpr std::int64_t kSplitKChunk = 256;
+
+// The calls that make g under split-K with chunks of `chunk` (g itself when
+// it is not split: 16-bit D, or K <= chunk).
+inline std::vector<GemmCall> split_k(const GemmCall& g, std::int64_t chunk) {
+  if (g.out != DType::f32 || g.k <= chunk || chunk <= 0) return {g};
+  const std::size_t es = dtype_size(g.in);
+  auto advance = [es](const void* p, std::int64_t elems) {
+    return static_cast<const unsigned char*>(p) + static_cast<std::size_t>(elems) * es;
+  };
+  std::vector<GemmCall> calls;
+  for (std::int64_t k0 = 0; k0 < g.k; k0 += chunk) {
+    GemmCall c = g;
+    c.k = std::min(chunk, g.k - k0);
+    // op(A) columns k0.. : A stored [m, k] (k0 columns in) or [k, m] (k0 rows down).
+    c.a.data = advance(g.a.data, g.a.transposed ? k0 * g.a.ld : k0);
+    // op(B) rows k0.. : B stored [k, n] (k0 rows down) or [n, k] (k0 columns in).
+    c.b.data = advance(g.b.data, g.b.transposed ? k0 : k0 * g.b.ld);
+    if (k0 > 0) c.beta = 1.0f;
+    calls.push_back(c);
+  }
+  return calls;
+}
+
 // cuBLASLt's workspace (part of ours): what its Hopper kernels ask for.
 constexpr std::size_t kGemmWorkspace = std::size_t{32} << 20;
 
 Status gemm(const GemmCall& g, void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
+
+// Whether the products run split-K (KVCOMP_CUDA_PRODUCTS=splitk; read once
+// per process; anything else, or unset: one cuBLASLt call per product).
+bool split_k_products();
 
 }  // namespace kvcomp::detail::cuda

@@ -52,7 +52,13 @@ Status emulate_lt(const GemmCall& g) {
 }
 
 struct HostExec {
-  Status gemm(const GemmCall& g) { return emulate_lt(g); }
+  i64 split = 0;  // > 0: products split-K over chunks of this many (as KVCOMP_CUDA_PRODUCTS=splitk does)
+  Status gemm(const GemmCall& g) {
+    if (split == 0) return emulate_lt(g);
+    for (const GemmCall& part : split_k(g, split))
+      if (auto s = emulate_lt(part); !s.ok()) return s;
+    return Status::success();
+  }
   Status zero(void* p, std::size_t bytes) {
     if (bytes) std::memset(p, 0, bytes);
     return Status::success();
@@ -115,7 +121,7 @@ std::unique_ptr<unsigned char[]> workspace(std::size_t bytes) {
 
 // The CUDA forward on the host: validation, the chunk plan and the aliasing
 // decision as planning makes them, then the driver.
-Status emulate(ForwardRun& r, const Options& o) {
+Status emulate(ForwardRun& r, const Options& o, i64 split = 0) {
   BlockPlan bp;
   if (auto s = ::kvcomp::detail::validate_forward(r.args, o, &bp); !s.ok()) return s;
   ChunkPlan cp = make_chunk_plan(bp, kForwardChunkRows, true);
@@ -123,18 +129,18 @@ Status emulate(ForwardRun& r, const Options& o) {
   cp.serial = ::kvcomp::detail::cache_slots_alias(bp, cache_geometry(a));
   const std::size_t bytes = ForwardBuffers(bp.dims, nullptr).size;
   auto ws = workspace(bytes);
-  HostExec ex;
+  HostExec ex{split};
   return run_forward_chunks(ex, a, bp, cp, cp.batches.data(), cp.block_batch.data(), ws.get());
 }
 
-Status emulate(BackwardRun& r, const Options& o) {
+Status emulate(BackwardRun& r, const Options& o, i64 split = 0) {
   BlockPlan bp;
   if (auto s = ::kvcomp::detail::validate_backward(r.args, o, &bp); !s.ok()) return s;
   const ChunkPlan cp = make_chunk_plan(bp, kBackwardChunkRows, false);
   const std::size_t bytes =
       BackwardBuffers(bp.dims, dnew_mode(bp.dims, o.precision), cp.max_chunk_blocks, nullptr).size;
   auto ws = workspace(bytes);
-  HostExec ex;
+  HostExec ex{split};
   return run_backward_chunks(ex, r.args, bp, o.precision, cp, cp.batches.data(), cp.block_batch.data(),
                              ws.get());
 }
@@ -170,6 +176,14 @@ TEST_P(CudaLogic, DapeIsTheCpusBitwise) {
     ASSERT_TRUE(emulate(emu, o).ok());
     EXPECT_EQ(bytes_of(emu.d_ape), bytes_of(cpu.d_ape));
   }
+}
+
+// The split-K switch (item 3 of issue 19): the same walk with every fp32
+// product split over K chunks of 8 (256 on the GPU; 8 so that H = 16 and
+// the backward's 2C and chunk rows split too) still meets the oracle.
+TEST_P(CudaLogic, SplitKProductsMatchTheOracle) {
+  check_forward(GetParam(), [](ForwardRun& r, const Options& o) { return emulate(r, o, 8); });
+  check_backward(GetParam(), [](BackwardRun& r, const Options& o) { return emulate(r, o, 8); });
 }
 
 INSTANTIATE_TEST_SUITE_P(Issue11, CudaLogic, ::testing::ValuesIn(cuda_sweep()),
@@ -278,6 +292,54 @@ TEST(CudaLogicGemm, ABf16OutputStaysInsideItsBuffer) {
           << i << "," << j;
     }
   for (std::size_t i = d_elems; i < d.size(); ++i) EXPECT_EQ(d[i], 0xAAAA) << "written past D at " << i;
+}
+
+// split_k() covers K exactly once, in order, for every transpose: each part
+// reads its own K columns of op(A) and rows of op(B), and the parts add up in
+// fp32 through beta = 1 (expected here with the same roundings).
+TEST(CudaLogicGemm, SplitKChunksCoverKInOrder) {
+  const i64 m = 3, n = 4, k = 21, chunk = 8;
+  std::vector<std::uint16_t> a(static_cast<std::size_t>(m * k)), b(static_cast<std::size_t>(n * k));
+  for (std::size_t i = 0; i < a.size(); ++i) a[i] = f32_to_bf16(0.37f * static_cast<float>(i % 11) - 1.5f);
+  for (std::size_t i = 0; i < b.size(); ++i) b[i] = f32_to_bf16(0.21f * static_cast<float>(i % 13) - 1.1f);
+  for (bool ta : {false, true})
+    for (bool tb : {false, true}) {
+      // Stored A: [m, k] or [k, m]; stored B: [k, n] or [n, k]; leading dimensions with slack.
+      const i64 lda = (ta ? m : k) + 1, ldb = (tb ? k : n) + 2;
+      std::vector<std::uint16_t> sa(static_cast<std::size_t>((ta ? k : m) * lda)),
+          sb(static_cast<std::size_t>((tb ? n : k) * ldb));
+      auto A = [&](i64 i, i64 p) { return a[static_cast<std::size_t>(i * k + p)]; };  // op(A)(i, p)
+      auto B = [&](i64 p, i64 j) { return b[static_cast<std::size_t>(j * k + p)]; };  // op(B)(p, j)
+      for (i64 i = 0; i < m; ++i)
+        for (i64 p = 0; p < k; ++p) sa[static_cast<std::size_t>(ta ? p * lda + i : i * lda + p)] = A(i, p);
+      for (i64 p = 0; p < k; ++p)
+        for (i64 j = 0; j < n; ++j) sb[static_cast<std::size_t>(tb ? j * ldb + p : p * ldb + j)] = B(p, j);
+      std::vector<float> d(static_cast<std::size_t>(m * n), 0.5f);
+      GemmCall g{m, n, k, DType::bf16, {sa.data(), lda, ta}, {sb.data(), ldb, tb}, d.data(), n, 0.75f, 2.0f};
+      const auto parts = split_k(g, chunk);
+      ASSERT_EQ(parts.size(), 3u);
+      for (const GemmCall& part : parts) ASSERT_TRUE(emulate_lt(part).ok());
+      for (i64 i = 0; i < m; ++i)
+        for (i64 j = 0; j < n; ++j) {
+          float want = 0.5f;
+          for (i64 k0 = 0; k0 < k; k0 += chunk) {
+            double acc = 0;
+            for (i64 p = k0; p < std::min(k, k0 + chunk); ++p)
+              acc += static_cast<double>(bf16_to_f32(A(i, p))) * bf16_to_f32(B(p, j));
+            want = 0.75f * static_cast<float>(acc) + (k0 == 0 ? 2.0f : 1.0f) * want;
+          }
+          EXPECT_EQ(d[static_cast<std::size_t>(i * n + j)], want)
+              << "ta=" << ta << " tb=" << tb << " " << i << "," << j;
+        }
+    }
+  // Not split: a 16-bit D (no fp32 epilogue sum), or K within one chunk.
+  float x = 0;
+  std::uint16_t y = 0;
+  GemmCall bf{1, 1, 100, DType::bf16, {&x, 100, false}, {&x, 1, false}, &y, 1};
+  bf.out = DType::bf16;
+  EXPECT_EQ(split_k(bf, chunk).size(), 1u);
+  GemmCall small{1, 1, 8, DType::bf16, {&x, 8, false}, {&x, 1, false}, &x, 1};
+  EXPECT_EQ(split_k(small, chunk).size(), 1u);
 }
 
 }  // namespace
