@@ -64,6 +64,10 @@ Status run_backward(const BackwardArgs& args, const Options& options, const Bloc
 // Stream-ordered device memory for the one-call entry points (cudaMallocAsync
 // / cudaFreeAsync on the call's stream and device).
 Status allocate_async(Device dev, void* stream, std::size_t bytes, void** out);
+// The memory comes from a pool of the library's own per device that keeps
+// what it holds between calls; release_workspace_pools() gives it back
+// (kvcomp::release_cached_workspace calls it).
 void free_async(Device dev, void* stream, void* p);
+void release_workspace_pools();
 
 }  // namespace kvcomp::detail::cuda

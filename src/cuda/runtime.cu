@@ -1,6 +1,9 @@
 // The CUDA backend's view of the machine (devices, pointers), the
 // host copies of index data, and the device copy of the block plan.
 #include <algorithm>
+#include <cstdint>
+#include <mutex>
+#include <vector>
 
 #include "cuda/common.hpp"
 #include "kvcomp/kvcomp.hpp"
@@ -109,11 +112,55 @@ Status copy_index_to_host(const Tensor& t, void* stream, std::vector<std::int32_
   return Status::success();
 }
 
+namespace {
+
+// The one-call workspaces come from a memory pool of the library's own per
+// device, which keeps what it holds between calls (release threshold: no
+// limit), as the CPU backend keeps its workspace per thread: the default
+// pool's threshold of 0 gave the memory back to the driver at every
+// synchronisation, so each Python call unmapped and re-mapped ~300 MB.
+// release_workspace_pools() (kvcomp::release_cached_workspace) trims them.
+std::mutex g_pool_mutex;
+std::vector<cudaMemPool_t> g_pools;
+
+Status workspace_pool(int device, cudaMemPool_t* out) {
+  std::lock_guard<std::mutex> lock(g_pool_mutex);
+  if (g_pools.size() <= static_cast<std::size_t>(device)) g_pools.resize(static_cast<std::size_t>(device) + 1);
+  cudaMemPool_t& pool = g_pools[static_cast<std::size_t>(device)];
+  if (!pool) {
+    cudaMemPoolProps props{};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.handleTypes = cudaMemHandleTypeNone;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = device;
+    if (cudaError_t e = cudaMemPoolCreate(&pool, &props); e != cudaSuccess) {
+      pool = nullptr;
+      return cuda_error("creating the workspace memory pool", e);
+    }
+    std::uint64_t keep_all = UINT64_MAX;
+    if (cudaError_t e = cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_all);
+        e != cudaSuccess)
+      return cuda_error("setting the workspace pool's release threshold", e);
+  }
+  *out = pool;
+  return Status::success();
+}
+
+}  // namespace
+
+void release_workspace_pools() {
+  std::lock_guard<std::mutex> lock(g_pool_mutex);
+  for (cudaMemPool_t pool : g_pools)
+    if (pool && cudaMemPoolTrimTo(pool, 0) != cudaSuccess) (void)cudaGetLastError();  // nothing to report to
+}
+
 Status allocate_async(Device dev, void* stream, std::size_t bytes, void** out) {
   DeviceGuard guard(dev.index);
   if (!guard.status().ok()) return guard.status();
-  if (cudaError_t e =
-          cudaMallocAsync(out, std::max<std::size_t>(bytes, 1), static_cast<cudaStream_t>(stream));
+  cudaMemPool_t pool = nullptr;
+  if (auto s = workspace_pool(dev.index, &pool); !s.ok()) return s;
+  if (cudaError_t e = cudaMallocFromPoolAsync(out, std::max<std::size_t>(bytes, 1), pool,
+                                              static_cast<cudaStream_t>(stream));
       e != cudaSuccess) {
     (void)cudaGetLastError();  // reported below, so cleared here
     return {StatusCode::runtime_error,
