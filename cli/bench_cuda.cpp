@@ -91,8 +91,8 @@ struct Products {
     check(cudaMemset(dnew.p, 0x3c, dnew.bytes), "cudaMemset");
   }
   static std::size_t bytes(i64 n, DType t) { return static_cast<std::size_t>(n) * dtype_size(t); }
-  void gemm(i64 m, i64 n, i64 k, const DeviceArray& a, i64 lda, bool ta, const DeviceArray& b, i64 ldb, bool tb,
-            DeviceArray& d, i64 ldd, cudaStream_t s) {
+  void gemm(i64 m, i64 n, i64 k, const DeviceArray& a, i64 lda, bool ta, const DeviceArray& b, i64 ldb,
+            bool tb, DeviceArray& d, i64 ldd, cudaStream_t s) {
     detail::cuda::GemmCall g{m, n, k, kIn, {a.p, lda, ta}, {b.p, ldb, tb}, d.p, ldd};
     g.out = kOut;
     detail::cuda::LtCall c;
