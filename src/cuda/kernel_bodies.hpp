@@ -263,10 +263,21 @@ KVCOMP_HD void backward_block(const BackwardKernelArgs& p, i64 g_lo, i64 blk, i6
 }
 
 // Element i of d_ape.
+// The sum runs block after block (the CPU's order: d_ape is the CPU's, bit
+// for bit), but the loads of 8 blocks are issued before their adds, so a
+// thread has 8 reads in flight instead of one (the kernel is bound by the
+// latency of ~1000 dependent block reads per chunk, not by bandwidth).
 KVCOMP_HD void dape_accumulate(const double* partials, i64 blocks, i64 n, double* dape, i64 i) {
   if (i >= n) return;
+  constexpr i64 kBatch = 8;
   double acc = dape[i];
-  for (i64 blk = 0; blk < blocks; ++blk) acc += partials[blk * n + i];
+  i64 blk = 0;
+  for (; blk + kBatch <= blocks; blk += kBatch) {
+    double v[kBatch];
+    for (i64 j = 0; j < kBatch; ++j) v[j] = partials[(blk + j) * n + i];
+    for (i64 j = 0; j < kBatch; ++j) acc += v[j];
+  }
+  for (; blk < blocks; ++blk) acc += partials[blk * n + i];
   dape[i] = acc;
 }
 

@@ -34,8 +34,12 @@ __global__ void backward_blocks_kernel(BackwardKernelArgs p, i64 g_lo, i64 a, i6
   body::backward_block(p, g_lo, g_lo + blockIdx.x, column(), a, b_end);
 }
 
+// 32 threads per CTA: r*C elements (4096 for C4A, 1024 for C4Li) make 128 / 32 CTAs, spread over that
+// many SMs, instead of 32 / 8 CTAs of 128 threads.
+constexpr int kDapeThreads = 32;
+
 __global__ void dape_accumulate_kernel(const double* partials, i64 blocks, i64 n, double* dape) {
-  body::dape_accumulate(partials, blocks, n, dape, static_cast<i64>(blockIdx.x) * kThreads + threadIdx.x);
+  body::dape_accumulate(partials, blocks, n, dape, static_cast<i64>(blockIdx.x) * kDapeThreads + threadIdx.x);
 }
 
 __global__ void gradient_rows_kernel(Geometry g, const void* src, bool src_f32, void* dst, i64 a, i64 H) {
@@ -59,14 +63,20 @@ __global__ void f64_to_f32_kernel(const double* src, float* dst, i64 n) {
 // ours. A failed launch also records its error in the thread's state: that
 // one is reported here, so it is cleared here (cuda_error).
 template <typename... Params, typename... Args>
-Status launch(const char* what, void (*kernel)(Params...), dim3 grid, cudaStream_t s, Args&&... args) {
+Status launch_with(const char* what, void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t s,
+                   Args&&... args) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
-  cfg.blockDim = dim3(kThreads);
+  cfg.blockDim = block;
   cfg.dynamicSmemBytes = 0;
   cfg.stream = s;
   const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
   return e == cudaSuccess ? Status::success() : cuda_error(what, e);  // cuda_error clears it
+}
+
+template <typename... Params, typename... Args>
+Status launch(const char* what, void (*kernel)(Params...), dim3 grid, cudaStream_t s, Args&&... args) {
+  return launch_with(what, kernel, grid, dim3(kThreads), s, std::forward<Args>(args)...);
 }
 
 }  // namespace
@@ -101,8 +111,9 @@ Status launch_backward_blocks(const BackwardKernelArgs& p, std::int64_t g_lo, st
 Status launch_dape_accumulate(const double* partials, std::int64_t blocks, std::int64_t n, double* dape,
                               cudaStream_t s) {
   if (blocks == 0 || n == 0) return Status::success();
-  return launch("the d_ape kernel launch", dape_accumulate_kernel,
-                blocks_for(n), s, partials, blocks, n, dape);
+  return launch_with("the d_ape kernel launch", dape_accumulate_kernel,
+                     static_cast<unsigned>((n + kDapeThreads - 1) / kDapeThreads), dim3(kDapeThreads), s,
+                     partials, blocks, n, dape);
 }
 
 Status launch_gradient_rows(const Geometry& g, const void* src, bool src_f32, void* dst, std::int64_t a,
