@@ -125,8 +125,9 @@ std::vector<cudaMemPool_t> g_pools;
 
 Status workspace_pool(int device, cudaMemPool_t* out) {
   std::lock_guard<std::mutex> lock(g_pool_mutex);
-  if (g_pools.size() <= static_cast<std::size_t>(device)) g_pools.resize(static_cast<std::size_t>(device) + 1);
-  cudaMemPool_t& pool = g_pools[static_cast<std::size_t>(device)];
+  const auto d = static_cast<std::size_t>(device);
+  if (g_pools.size() <= d) g_pools.resize(d + 1);
+  cudaMemPool_t& pool = g_pools[d];
   if (!pool) {
     cudaMemPoolProps props{};
     props.allocType = cudaMemAllocationTypePinned;
