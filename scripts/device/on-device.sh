@@ -35,11 +35,11 @@ export LD_LIBRARY_PATH=$prefix/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_L
 out=${LOG_DIR:-${OUT:-build-gpu/logs}}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader
-if [[ ! -f build-gpu/build.ninja ]]; then
-  cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVCOMP_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real \
-    -DCMAKE_PREFIX_PATH="$prefix/usr" >"$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
-fi
-grep -h "kvcomp: CUDA backend" "$out/configure.log" 2>/dev/null | tail -1
+# Configured every time (seconds when nothing changed), so that a build-gpu left by an older script
+# with KVCOMP_CUDA=AUTO is turned into one that requires the backend.
+cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVCOMP_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real \
+  -DCMAKE_PREFIX_PATH="$prefix/usr" >"$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
+grep -h "kvcomp: CUDA backend" "$out/configure.log" | tail -1
 cmake --build build-gpu --parallel "$(nproc)" >"$out/build.log" 2>&1 ||
   { grep -m20 -E "error|FAILED" "$out/build.log"; exit 1; }
 echo "[on-device] built in $(($(date +%s) - start)) s"
