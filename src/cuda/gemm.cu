@@ -56,6 +56,7 @@ struct LtPlan {
   OpDesc op;
   Layout la, lb, ld;
   cublasLtMatmulAlgo_t algo{};
+  bool no_algorithm = false;  // the heuristic found none for this shape (kept, so it is asked once)
 };
 
 // What the descriptors and the heuristic's choice depend on (the pointers
@@ -112,9 +113,8 @@ Status make_lt_plan(const LtCall& c, const PlanKey& key, cublasLtHandle_t handle
   const cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(
       handle, p->op.get(), p->la.get(), p->lb.get(), p->ld.get(), p->ld.get(), pref.get(), 1, &result,
       &found);
-  if (!check(hs) || found == 0)
-    return cublas_error("cublasLtMatmulAlgoGetHeuristic (no algorithm without split-K)",
-                        check(hs) ? CUBLAS_STATUS_NOT_SUPPORTED : hs);
+  if (!check(hs)) return cublas_error("cublasLtMatmulAlgoGetHeuristic", hs);
+  p->no_algorithm = found == 0;
   p->algo = result.algo;
   return Status::success();
 }
@@ -144,7 +144,9 @@ Status cached_lt_plan(const LtCall& c, const PlanKey& key, cublasLtHandle_t hand
 
 }  // namespace
 
-Status gemm(const GemmCall& g, void* workspace, std::size_t workspace_bytes, cudaStream_t stream) {
+Status gemm(const GemmCall& g, void* workspace, std::size_t workspace_bytes, cudaStream_t stream,
+            bool* no_algorithm) {
+  if (no_algorithm) *no_algorithm = false;
   LtCall c;
   if (auto s = lt_call(g, &c); !s.ok()) return s;  // before the empty-product exit: refused either way
   if (c.m == 0 || c.n == 0) return Status::success();
@@ -168,6 +170,14 @@ Status gemm(const GemmCall& g, void* workspace, std::size_t workspace_bytes, cud
   key.workspace_bytes = workspace_bytes;
   std::shared_ptr<const LtPlan> p;
   if (auto s = cached_lt_plan(c, key, handle, &p); !s.ok()) return s;
+  if (p->no_algorithm) {
+    if (no_algorithm) {  // the caller runs its fallback
+      *no_algorithm = true;
+      return Status::success();
+    }
+    return cublas_error("cublasLtMatmulAlgoGetHeuristic (no algorithm without split-K)",
+                        CUBLAS_STATUS_NOT_SUPPORTED);
+  }
   if (cublasStatus_t s =
           cublasLtMatmul(handle, p->op.get(), &c.alpha, c.a.data, p->la.get(), c.b.data, p->lb.get(), &c.beta,
                          g.d, p->ld.get(), g.d, p->ld.get(), &p->algo, workspace, workspace_bytes, stream);

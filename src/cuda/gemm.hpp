@@ -137,7 +137,12 @@ inline std::vector<GemmCall> split_k(const GemmCall& g, std::int64_t chunk) {
 // cuBLASLt's workspace (part of ours): what its Hopper kernels ask for.
 constexpr std::size_t kGemmWorkspace = std::size_t{32} << 20;
 
-Status gemm(const GemmCall& g, void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
+// no_algorithm: when given, a shape cuBLASLt has no algorithm for (without
+// split-K; possible for 16-bit rows whose pitch is not a multiple of 16
+// bytes) sets it and queues nothing, so that the caller runs the plain
+// kernel (launch_plain_gemm); without it, that case is an error.
+Status gemm(const GemmCall& g, void* workspace, std::size_t workspace_bytes, cudaStream_t stream,
+            bool* no_algorithm = nullptr);
 
 // Whether the products run split-K (KVCOMP_CUDA_PRODUCTS=splitk; read once
 // per process; anything else, or unset: one cuBLASLt call per product).

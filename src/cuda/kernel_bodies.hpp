@@ -297,6 +297,21 @@ KVCOMP_HD void gradient_row(const Geometry& g, const void* src, bool src_f32, vo
   }
 }
 
+// Element (i, j) of the plain product's D (cuBLAS's column-major terms):
+// op(A)(i, p) op(B)(p, j) summed over p in order in fp32.
+KVCOMP_HD void plain_gemm_element(const LtCall& c, i64 i, i64 j) {
+  float acc = 0.0f;
+  for (i64 p = 0; p < c.k; ++p) {
+    const float a = load_io(c.a.data, c.trans_a ? p + i * c.a.ld : i + p * c.a.ld, c.a.type);
+    const float b = load_io(c.b.data, c.trans_b ? j + p * c.b.ld : p + j * c.b.ld, c.b.type);
+    acc = acc + a * b;
+  }
+  void* d = const_cast<void*>(c.d.data);
+  const i64 at = i + j * c.d.ld;
+  const float prev = c.beta != 0.0f ? load_io(d, at, c.d.type) : 0.0f;
+  store_io(d, at, c.d.type, c.alpha * acc + c.beta * prev);
+}
+
 // Element i of a narrowing to io.
 KVCOMP_HD void narrow(const float* src, void* dst, DType io, i64 i) { store_io(dst, i, io, src[i]); }
 

@@ -52,6 +52,13 @@ __global__ void narrow_kernel(const float* src, void* dst, DType io, i64 n) {
     body::narrow(src, dst, io, i);
 }
 
+__global__ void plain_gemm_kernel(LtCall c) {
+  const i64 n = c.m * c.n;
+  for (i64 e = static_cast<i64>(blockIdx.x) * kThreads + threadIdx.x; e < n;
+       e += static_cast<i64>(gridDim.x) * kThreads)
+    body::plain_gemm_element(c, e % c.m, e / c.m);
+}
+
 __global__ void f64_to_f32_kernel(const double* src, float* dst, i64 n) {
   for (i64 i = static_cast<i64>(blockIdx.x) * kThreads + threadIdx.x; i < n;
        i += static_cast<i64>(gridDim.x) * kThreads)
@@ -126,6 +133,11 @@ Status launch_gradient_rows(const Geometry& g, const void* src, bool src_f32, vo
 Status launch_narrow(const float* src, void* dst, DType io, std::int64_t n, cudaStream_t s) {
   if (n == 0) return Status::success();
   return launch("the narrowing kernel launch", narrow_kernel, grid_stride_blocks(n), s, src, dst, io, n);
+}
+
+Status launch_plain_gemm(const LtCall& c, cudaStream_t s) {
+  if (c.m == 0 || c.n == 0) return Status::success();
+  return launch("the plain product kernel launch", plain_gemm_kernel, grid_stride_blocks(c.m * c.n), s, c);
 }
 
 Status launch_f64_to_f32(const double* src, float* dst, std::int64_t n, cudaStream_t s) {

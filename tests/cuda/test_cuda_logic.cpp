@@ -51,12 +51,23 @@ Status emulate_lt(const GemmCall& g) {
   return Status::success();
 }
 
+// The plain kernel's products (launch_plain_gemm, CudaExec's fallback where
+// cuBLASLt has no algorithm): its thread body over the whole grid.
+Status emulate_plain(const GemmCall& g) {
+  LtCall c;
+  if (auto s = lt_call(g, &c); !s.ok()) return s;
+  for (i64 e = 0; e < c.m * c.n; ++e) body::plain_gemm_element(c, e % c.m, e / c.m);
+  return Status::success();
+}
+
 struct HostExec {
-  i64 split = 0;  // > 0: products split-K over chunks of this many (as KVCOMP_CUDA_PRODUCTS=splitk does)
+  i64 split = 0;       // > 0: products split-K over chunks of this many (as KVCOMP_CUDA_PRODUCTS=splitk does)
+  bool plain = false;  // every product by the plain kernel (as if cuBLASLt had no algorithm for any)
   Status gemm(const GemmCall& g) {
-    if (split == 0) return emulate_lt(g);
+    auto one = [this](const GemmCall& x) { return plain ? emulate_plain(x) : emulate_lt(x); };
+    if (split == 0) return one(g);
     for (const GemmCall& part : split_k(g, split))
-      if (auto s = emulate_lt(part); !s.ok()) return s;
+      if (auto s = one(part); !s.ok()) return s;
     return Status::success();
   }
   Status zero(void* p, std::size_t bytes) {
@@ -121,7 +132,7 @@ std::unique_ptr<unsigned char[]> workspace(std::size_t bytes) {
 
 // The CUDA forward on the host: validation, the chunk plan and the aliasing
 // decision as planning makes them, then the driver.
-Status emulate(ForwardRun& r, const Options& o, i64 split = 0) {
+Status emulate(ForwardRun& r, const Options& o, i64 split = 0, bool plain = false) {
   BlockPlan bp;
   if (auto s = ::kvcomp::detail::validate_forward(r.args, o, &bp); !s.ok()) return s;
   ChunkPlan cp = make_chunk_plan(bp, kForwardChunkRows, true);
@@ -129,18 +140,18 @@ Status emulate(ForwardRun& r, const Options& o, i64 split = 0) {
   cp.serial = ::kvcomp::detail::cache_slots_alias(bp, cache_geometry(a));
   const std::size_t bytes = ForwardBuffers(bp.dims, nullptr).size;
   auto ws = workspace(bytes);
-  HostExec ex{split};
+  HostExec ex{split, plain};
   return run_forward_chunks(ex, a, bp, cp, cp.batches.data(), cp.block_batch.data(), ws.get());
 }
 
-Status emulate(BackwardRun& r, const Options& o, i64 split = 0) {
+Status emulate(BackwardRun& r, const Options& o, i64 split = 0, bool plain = false) {
   BlockPlan bp;
   if (auto s = ::kvcomp::detail::validate_backward(r.args, o, &bp); !s.ok()) return s;
   const ChunkPlan cp = make_chunk_plan(bp, kBackwardChunkRows, false);
   const std::size_t bytes =
       BackwardBuffers(bp.dims, dnew_mode(bp.dims, o.precision), cp.max_chunk_blocks, nullptr).size;
   auto ws = workspace(bytes);
-  HostExec ex{split};
+  HostExec ex{split, plain};
   return run_backward_chunks(ex, r.args, bp, o.precision, cp, cp.batches.data(), cp.block_batch.data(),
                              ws.get());
 }
@@ -184,6 +195,13 @@ TEST_P(CudaLogic, DapeIsTheCpusBitwise) {
 TEST_P(CudaLogic, SplitKProductsMatchTheOracle) {
   check_forward(GetParam(), [](ForwardRun& r, const Options& o) { return emulate(r, o, 8); });
   check_backward(GetParam(), [](BackwardRun& r, const Options& o) { return emulate(r, o, 8); });
+}
+
+// The fallback where cuBLASLt has no algorithm (item 5 of issue 19): every
+// product by the plain kernel still meets the oracle.
+TEST_P(CudaLogic, PlainKernelProductsMatchTheOracle) {
+  check_forward(GetParam(), [](ForwardRun& r, const Options& o) { return emulate(r, o, 0, true); });
+  check_backward(GetParam(), [](BackwardRun& r, const Options& o) { return emulate(r, o, 0, true); });
 }
 
 INSTANTIATE_TEST_SUITE_P(Issue11, CudaLogic, ::testing::ValuesIn(cuda_sweep()),
@@ -292,6 +310,37 @@ TEST(CudaLogicGemm, ABf16OutputStaysInsideItsBuffer) {
           << i << "," << j;
     }
   for (std::size_t i = d_elems; i < d.size(); ++i) EXPECT_EQ(d[i], 0xAAAA) << "written past D at " << i;
+}
+
+// The plain kernel: D = alpha * (fp32 sum over K in order) + beta * D, for
+// every transpose, with rows whose pitch is no multiple of 16 bytes (H = 20
+// bf16: 40 bytes), the case cuBLASLt may have no algorithm for.
+TEST(CudaLogicGemm, PlainKernelSumsInOrderInFp32) {
+  const i64 m = 5, n = 3, k = 20;
+  std::vector<std::uint16_t> a(static_cast<std::size_t>(m * k)), b(static_cast<std::size_t>(n * k));
+  for (std::size_t i = 0; i < a.size(); ++i) a[i] = f32_to_bf16(0.3f * static_cast<float>(i % 9) - 1.2f);
+  for (std::size_t i = 0; i < b.size(); ++i) b[i] = f32_to_bf16(0.7f * static_cast<float>(i % 4) - 0.9f);
+  for (bool ta : {false, true})
+    for (bool tb : {false, true}) {
+      const i64 lda = ta ? m : k, ldb = tb ? k : n;
+      std::vector<std::uint16_t> sa(a.size()), sb(b.size());
+      auto A = [&](i64 i, i64 p) { return a[static_cast<std::size_t>(i * k + p)]; };
+      auto B = [&](i64 p, i64 j) { return b[static_cast<std::size_t>(j * k + p)]; };
+      for (i64 i = 0; i < m; ++i)
+        for (i64 p = 0; p < k; ++p) sa[static_cast<std::size_t>(ta ? p * lda + i : i * lda + p)] = A(i, p);
+      for (i64 p = 0; p < k; ++p)
+        for (i64 j = 0; j < n; ++j) sb[static_cast<std::size_t>(tb ? j * ldb + p : p * ldb + j)] = B(p, j);
+      std::vector<float> d(static_cast<std::size_t>(m * n), 0.25f);
+      GemmCall g{m, n, k, DType::bf16, {sa.data(), lda, ta}, {sb.data(), ldb, tb}, d.data(), n, 1.5f, 0.5f};
+      ASSERT_TRUE(emulate_plain(g).ok());
+      for (i64 i = 0; i < m; ++i)
+        for (i64 j = 0; j < n; ++j) {
+          float acc = 0.0f;
+          for (i64 p = 0; p < k; ++p) acc = acc + bf16_to_f32(A(i, p)) * bf16_to_f32(B(p, j));
+          EXPECT_EQ(d[static_cast<std::size_t>(i * n + j)], 1.5f * acc + 0.5f * 0.25f)
+              << "ta=" << ta << " tb=" << tb << " " << i << "," << j;
+        }
+    }
 }
 
 // split_k() covers K exactly once, in order, for every transpose: each part
