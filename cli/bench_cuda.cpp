@@ -1,6 +1,7 @@
 // `kvcomp bench --device cuda`: both operators on model shapes on a GPU, each
-// against its matrix products alone (the same cuBLASLt products the operator
-// makes, bf16 operands and outputs, fp32 accumulation, as torch.matmul does),
+// against its matrix products alone (the operator's product shapes through
+// the same gemm(), bf16 operands and bf16 outputs with fp32 accumulation, as
+// torch.matmul does; the operator itself keeps fp32 outputs),
 // timed in the same process with CUDA events (mean of --repeat runs after two
 // warm-up runs). The operators run through plan / execute with the data and
 // the workspace on the device already: the steady state of a training step.
@@ -58,38 +59,52 @@ double mean_ms(cudaStream_t stream, int repeat, F&& f) {
   return static_cast<double>(ms) / repeat;
 }
 
-// The operator's products alone, bf16 in and out: forward x[T,H] . [wkv; wgate]^T (one [2C, H]
-// weight), backward dnew[T,2C] . W[2C,H] and dnew^T . x.
+struct DeviceArray : DeviceBuffer {
+  std::size_t bytes;
+  explicit DeviceArray(std::size_t n) : DeviceBuffer(n), bytes(n) {}
+};
+
+// The operator's products alone, bf16 in and out (as the torch anchors of
+// bench/torch_baselines.py): forward x[T,H] . [wkv; wgate]^T (one [2C, H]
+// weight), backward dnew[T,2C] . W[2C,H] and dnew^T . x. Every buffer is
+// sized in its own dtype and checked against the extent cuBLASLt is told to
+// write (detail::cuda::lt_call), so a product never runs past its buffer.
 struct Products {
+  static constexpr DType kIn = DType::bf16, kOut = DType::bf16;
   i64 T, H, C2;
-  DeviceBuffer x, w, p, dnew, dx, dw, ws;
+  DeviceArray x, w, p, dnew, dx, dw;
+  DeviceBuffer ws;
   Products(i64 T_, i64 H_, i64 C2_)
       : T(T_),
         H(H_),
         C2(C2_),
-        x(bytes(T * H)),
-        w(bytes(C2 * H)),
-        p(bytes(T * C2)),
-        dnew(bytes(T * C2)),
-        dx(bytes(T * H)),
-        dw(bytes(C2 * H)),
+        x(bytes(T * H, kIn)),
+        w(bytes(C2 * H, kIn)),
+        p(bytes(T * C2, kOut)),
+        dnew(bytes(T * C2, kIn)),
+        dx(bytes(T * H, kOut)),
+        dw(bytes(C2 * H, kOut)),
         ws(detail::cuda::kGemmWorkspace) {
     // Never time on zeros: every operand element 0x3c3c (bf16 ~0.0115).
-    check(cudaMemset(x.p, 0x3c, bytes(T * H)), "cudaMemset");
-    check(cudaMemset(w.p, 0x3c, bytes(C2 * H)), "cudaMemset");
-    check(cudaMemset(dnew.p, 0x3c, bytes(T * C2)), "cudaMemset");
+    check(cudaMemset(x.p, 0x3c, x.bytes), "cudaMemset");
+    check(cudaMemset(w.p, 0x3c, w.bytes), "cudaMemset");
+    check(cudaMemset(dnew.p, 0x3c, dnew.bytes), "cudaMemset");
   }
-  static std::size_t bytes(i64 n) { return static_cast<std::size_t>(n) * 2; }
-  void gemm(i64 m, i64 n, i64 k, const void* a, i64 lda, bool ta, const void* b, i64 ldb, bool tb, void* d,
-            i64 ldd, cudaStream_t s) {
-    detail::cuda::GemmCall g{m, n, k, DType::bf16, {a, lda, ta}, {b, ldb, tb}, d, ldd};
-    g.out = DType::bf16;
+  static std::size_t bytes(i64 n, DType t) { return static_cast<std::size_t>(n) * dtype_size(t); }
+  void gemm(i64 m, i64 n, i64 k, const DeviceArray& a, i64 lda, bool ta, const DeviceArray& b, i64 ldb,
+            bool tb, DeviceArray& d, i64 ldd, cudaStream_t s) {
+    detail::cuda::GemmCall g{m, n, k, kIn, {a.p, lda, ta}, {b.p, ldb, tb}, d.p, ldd};
+    g.out = kOut;
+    detail::cuda::LtCall c;
+    check(detail::cuda::lt_call(g, &c));
+    if (c.a.extent_bytes() > b.bytes || c.b.extent_bytes() > a.bytes || c.d.extent_bytes() > d.bytes)
+      throw std::runtime_error("bench: a product's operands reach past their buffers");
     check(detail::cuda::gemm(g, ws.p, detail::cuda::kGemmWorkspace, s));
   }
-  void forward(cudaStream_t s) { gemm(T, C2, H, x.p, H, false, w.p, H, true, p.p, C2, s); }
+  void forward(cudaStream_t s) { gemm(T, C2, H, x, H, false, w, H, true, p, C2, s); }
   void backward(cudaStream_t s) {
-    gemm(T, H, C2, dnew.p, C2, false, w.p, H, false, dx.p, H, s);
-    gemm(C2, H, T, dnew.p, C2, true, x.p, H, false, dw.p, H, s);
+    gemm(T, H, C2, dnew, C2, false, w, H, false, dx, H, s);
+    gemm(C2, H, T, dnew, C2, true, x, H, false, dw, H, s);
   }
 };
 

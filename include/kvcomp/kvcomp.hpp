@@ -18,7 +18,12 @@
 // device plan; execute() re-validates from those copies and only queues work
 // on the stream (no allocation, no host wait), so it can be captured in a
 // CUDA graph. Index data changed after planning is not seen: plan again. The
-// plan must outlive the work it queued (and any graph replaying it).
+// plan must outlive the work it queued (and any graph replaying it), and its
+// stream must outlive the plan (the plan frees its device memory on that
+// stream when it goes; do not destroy a plan while its stream is capturing).
+// execute() queues on the stream the plan was made with: to capture it,
+// capture that stream (a capture on another stream records none of it; the
+// legacy default stream while another stream captures is refused).
 #pragma once
 
 #include <array>
@@ -186,11 +191,13 @@ KVCOMP_API Status execute(BackwardPlan& plan, void* workspace, std::size_t works
 // the calling thread's next call (it does not grow with T: ~120 MB for C4A
 // at H = 4096), so repeated calls skip the page faults of a fresh buffer; it
 // is freed when the thread exits or by release_cached_workspace(). On a CUDA
-// device the workspace is taken and returned with cudaMallocAsync /
-// cudaFreeAsync on Options::stream.
+// device the workspace is taken and returned stream-ordered on
+// Options::stream (cudaMallocFromPoolAsync / cudaFreeAsync) from a memory
+// pool of the library's own per device, which keeps its memory between calls.
 KVCOMP_API Status compressor_forward(const ForwardArgs& args, const Options& options = {});
 KVCOMP_API Status compressor_backward(const BackwardArgs& args, const Options& options = {});
-// Frees the calling thread's kept one-call workspace now.
+// Frees the calling thread's kept one-call workspace now, and trims the CUDA
+// workspace pools (process-wide; memory still in use stays).
 KVCOMP_API void release_cached_workspace();
 
 // The instruction set of kvcomp's element-wise kernels in this process:

@@ -3,7 +3,8 @@
 # needs there (it has no network and no Debian archive) and on-device.sh. .device/ stays out of git.
 # Run once per checkout, on this (Debian) machine, from anywhere:
 #   bash scripts/device/prepare.sh
-# then, with the device tool: LOG_DIR=$OUT bash scripts/device/gpu-session.sh <phase>, carry [".device"].
+# then, with the device tool: LOG_DIR=$OUT bash scripts/device/gpu-session.sh <phase>, carry [".device"]
+# (the phases and their order: scripts/device/gpu-session.sh).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 grep -qxF /.device/ .git/info/exclude 2>/dev/null || echo /.device/ >>.git/info/exclude
@@ -11,7 +12,7 @@ mkdir -p .device/debs
 (cd .device/debs && apt-get update -qq && apt-get download -qq \
   libdnnl2 libdnnl-dev ocl-icd-libopencl1 ocl-icd-opencl-dev opencl-c-headers libgtest-dev \
   libgmock-dev googletest libbenchmark-dev libbenchmark1debian nlohmann-json3-dev libcli11-dev)
-shared=../shared/device/on-device.sh
-[[ -f $shared ]] || { echo "prepare.sh: $shared not found (the shared folder beside the checkout)" >&2; exit 1; }
-cp "$shared" .device/on-device.sh
+# The project's own on-device.sh (KVCOMP_CUDA=ON, ctest --no-tests=error, a stop time so that each
+# call prints its summary inside its limit), not the shared folder's generic one.
+cp scripts/device/on-device.sh .device/on-device.sh
 du -sh .device

@@ -309,7 +309,12 @@ Status execute(BackwardPlan& plan, void* workspace, std::size_t workspace_size) 
                   });
 }
 
-void release_cached_workspace() { t_workspace.release(); }
+void release_cached_workspace() {
+  t_workspace.release();
+#ifdef KVCOMP_HAVE_CUDA
+  detail::cuda::release_workspace_pools();
+#endif
+}
 
 const char* kernel_isa() { return detail::isa_name(detail::active_isa()); }
 

@@ -30,6 +30,14 @@ Status check_device_memory(const std::vector<std::pair<const char*, const Tensor
 // plan before the capture.
 Status check_not_capturing(void* stream);
 
+// Execute queues on the plan's stream (Options::stream when planning): the
+// stream must be usable now. Refused: the legacy default stream while
+// another stream captures (the work could only run outside the graph, and
+// CUDA would invalidate that capture), and a stream whose capture was
+// invalidated. A capture on some other stream cannot be seen from here: the
+// work then runs at once, outside that graph (docs/cuda-design.md).
+Status check_execute_stream(void* stream);
+
 // Copies the int32 tensor t (on a CUDA device) into out: queued on `stream`,
 // then waits for it. Planning only.
 Status copy_index_to_host(const Tensor& t, void* stream, std::vector<std::int32_t>& out);
@@ -56,6 +64,10 @@ Status run_backward(const BackwardArgs& args, const Options& options, const Bloc
 // Stream-ordered device memory for the one-call entry points (cudaMallocAsync
 // / cudaFreeAsync on the call's stream and device).
 Status allocate_async(Device dev, void* stream, std::size_t bytes, void** out);
+// The memory comes from a pool of the library's own per device that keeps
+// what it holds between calls; release_workspace_pools() gives it back
+// (kvcomp::release_cached_workspace calls it).
 void free_async(Device dev, void* stream, void* p);
+void release_workspace_pools();
 
 }  // namespace kvcomp::detail::cuda

@@ -20,6 +20,7 @@ Status run_backward(const BackwardArgs& args, const Options& options, const Bloc
                     const DevicePlan& dev, void* workspace) {
   DeviceGuard guard(dev.device);
   if (!guard.status().ok()) return guard.status();
+  if (auto s = check_execute_stream(options.stream); !s.ok()) return s;
   const Dims& d = plan.dims;
   CudaExec ex{static_cast<cudaStream_t>(options.stream),
               BackwardBuffers(d, dnew_mode(d, options.precision), dev.max_chunk_blocks,

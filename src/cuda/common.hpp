@@ -18,10 +18,14 @@ namespace kvcomp::detail::cuda {
 Status cuda_error(const char* what, cudaError_t e);
 Status cublas_error(const char* what, cublasStatus_t e);
 
-// The error of the kernels launched since the last check (launch
-// configuration, not execution: execution errors surface at the caller's
-// next synchronisation, as for any asynchronous CUDA call).
-Status launch_status(const char* what);
+// Errors: every CUDA call of the backend is checked by its own return value
+// (kernels are launched with cudaLaunchKernelEx, which returns the launch's
+// error). cuda_error() clears the thread's error state of the error it
+// reports; an error the backend ignores (a free when a plan goes) is cleared
+// where it happens. cudaGetLastError is never read for a status, so an error
+// left by the caller's own code (or an earlier call) is never reported as
+// this call's. Execution errors surface at the caller's next
+// synchronisation, as for any asynchronous CUDA call.
 
 // Makes `device` current for its lifetime, restoring the caller's device.
 class DeviceGuard {

@@ -1,15 +1,22 @@
 // Errors, the current device and the cuBLASLt handle: what the backend's
 // products and drivers share (also compiled into the CLI's GPU bench, with
 // gemm.cu, as the object library kvcomp_cuda_core).
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <string>
 #include <vector>
 
 #include "cuda/common.hpp"
+#include "cuda/gemm.hpp"
 
 namespace kvcomp::detail::cuda {
 
 Status cuda_error(const char* what, cudaError_t e) {
+  // The failed call recorded e in the thread's error state too; reported
+  // here, so cleared here, and never seen by a later check as its own. (A
+  // sticky error, a fault of the context, stays whatever is done.)
+  (void)cudaGetLastError();
   return {StatusCode::runtime_error, std::string("[kvcomp] ") + what + " (= " + cudaGetErrorName(e) + ": " +
                                          cudaGetErrorString(e) + ") must succeed"};
 }
@@ -17,11 +24,6 @@ Status cuda_error(const char* what, cudaError_t e) {
 Status cublas_error(const char* what, cublasStatus_t e) {
   return {StatusCode::runtime_error, std::string("[kvcomp] ") + what + " (= cuBLAS status " +
                                          std::to_string(static_cast<int>(e)) + ") must succeed"};
-}
-
-Status launch_status(const char* what) {
-  const cudaError_t e = cudaGetLastError();
-  return e == cudaSuccess ? Status::success() : cuda_error(what, e);
 }
 
 DeviceGuard::DeviceGuard(int device) {
@@ -36,7 +38,15 @@ DeviceGuard::DeviceGuard(int device) {
 DeviceGuard::~DeviceGuard() {
   int now = -1;
   if (previous_ >= 0 && cudaGetDevice(&now) == cudaSuccess && now != previous_)
-    (void)cudaSetDevice(previous_);
+    if (cudaSetDevice(previous_) != cudaSuccess) (void)cudaGetLastError();  // ours, unreported: cleared
+}
+
+bool split_k_products() {
+  static const bool on = [] {
+    const char* v = std::getenv("KVCOMP_CUDA_PRODUCTS");
+    return v && std::strcmp(v, "splitk") == 0;
+  }();
+  return on;
 }
 
 Status lt_handle(cublasLtHandle_t* out) {

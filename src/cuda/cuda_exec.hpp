@@ -11,7 +11,20 @@ struct CudaExec {
   cudaStream_t stream;
   void* gemm_ws;
 
-  Status gemm(const GemmCall& g) { return cuda::gemm(g, gemm_ws, kGemmWorkspace, stream); }
+  Status gemm(const GemmCall& g) {
+    if (!split_k_products()) return one_gemm(g);
+    for (const GemmCall& part : split_k(g, kSplitKChunk))
+      if (auto s = one_gemm(part); !s.ok()) return s;
+    return Status::success();
+  }
+  // cuBLASLt, or the plain kernel where cuBLASLt has no algorithm.
+  Status one_gemm(const GemmCall& g) {
+    bool none = false;
+    if (auto s = cuda::gemm(g, gemm_ws, kGemmWorkspace, stream, &none); !s.ok() || !none) return s;
+    LtCall c;
+    if (auto s = lt_call(g, &c); !s.ok()) return s;
+    return launch_plain_gemm(c, stream);
+  }
   Status zero(void* p, std::size_t bytes) {
     if (bytes == 0) return Status::success();
     if (cudaError_t e = cudaMemsetAsync(p, 0, bytes, stream); e != cudaSuccess)

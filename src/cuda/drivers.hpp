@@ -133,6 +133,7 @@ Status run_forward_chunks(Exec& ex, const ForwardArgs& args, const BlockPlan& pl
   p.out_rows = args.cmp_kv.dim(0) * (d.layout == Layout::bsh ? args.cmp_kv.dim(1) : 1);
   p.bsh_rows = d.layout == Layout::bsh ? compressed_rows_bsh(d.S, d.r) : 0;
   p.total_blocks = plan.total_blocks;
+  p.last_writer_only = cp.serial;
 
   if (auto s = fill_wcat(ex, args, d, buf.wcat); !s.ok()) return s;
   const std::size_t io_size = dtype_size(d.io);

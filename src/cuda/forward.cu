@@ -28,6 +28,7 @@ Status run_forward(const ForwardArgs& args, const Options& options, const BlockP
                    const DevicePlan& dev, void* workspace) {
   DeviceGuard guard(dev.device);
   if (!guard.status().ok()) return guard.status();
+  if (auto s = check_execute_stream(options.stream); !s.ok()) return s;
   CudaExec ex{static_cast<cudaStream_t>(options.stream),
               ForwardBuffers(plan.dims, AlignedLayout<256>::align(workspace)).gemm_ws};
   return run_forward_chunks(ex, args, plan, dev, dev.dev_batches, dev.dev_block_batch, workspace);

@@ -168,7 +168,17 @@ KVCOMP_HD void cache_write(const ForwardKernelArgs& p, i64 row, i64 col) {
   const i64 write_from = p.cache_mode == 1 ? s.sp : (ring_from > s.sp ? ring_from : s.sp);
   if (pos < write_from) return;
   if (p.cache_mode == 1 && p.table[b * p.table_cols + pos / p.block_size] == 0) return;  // id 0: do not write
-  float* slot = p.cache + cache_block(p, b, pos) * p.cache_stride0 + (pos % p.block_size) * 2 * g.C;
+  const i64 id = cache_block(p, b, pos);
+  if (p.cache_mode == 1 && p.last_writer_only) {
+    // Positions sharing this slot sit whole blocks apart; the last written
+    // one wins (the CPU writes in position order). Ring mode never wraps
+    // inside one call (block_size >= coff*r + S - 1).
+    for (i64 q = pos + p.block_size; q < s.sp + s.used; q += p.block_size) {
+      const i64 raw = p.table[b * p.table_cols + q / p.block_size];
+      if (raw != 0 && cache_block(p, b, q) == id) return;
+    }
+  }
+  float* slot = p.cache + id * p.cache_stride0 + (pos % p.block_size) * 2 * g.C;
   const float* src = p.panel + (row - p.panel_first) * p.panel_ld;
   float v = src[col];
   if (col >= g.C) v = v + p.ape[(pos % g.r) * g.C + (col - g.C)];
@@ -201,10 +211,13 @@ KVCOMP_HD void store_dnew(const BackwardKernelArgs& p, i64 at, float v) {
     case DnewMode::precise16: {
       // v = hi + lo / lo_scale: hi is v rounded to io, the difference is exact
       // in fp32 and the power-of-two scale keeps lo's 16-bit mantissa clear of
-      // the subnormal range.
+      // the subnormal range. Where hi overflows to +-inf (fp16 from |v| >=
+      // 65520; v infinite) lo is 0, not -+inf, so the products give the
+      // overflow's inf, as npu_parity does, rather than inf - inf = NaN.
       const float hi = round_to(v, p.g.io);
+      const bool hi_inf = (f2u(hi) & 0x7fffffffu) == 0x7f800000u;  // NaN stays NaN in both parts
       store_io(p.dnew_hi, at, p.g.io, hi);
-      store_io(p.dnew_lo, at, p.g.io, (v - hi) * p.lo_scale);
+      store_io(p.dnew_lo, at, p.g.io, hi_inf ? 0.0f : (v - hi) * p.lo_scale);
       break;
     }
   }
@@ -250,10 +263,21 @@ KVCOMP_HD void backward_block(const BackwardKernelArgs& p, i64 g_lo, i64 blk, i6
 }
 
 // Element i of d_ape.
+// The sum runs block after block (the CPU's order: d_ape is the CPU's, bit
+// for bit), but the loads of 8 blocks are issued before their adds, so a
+// thread has 8 reads in flight instead of one (the kernel is bound by the
+// latency of ~1000 dependent block reads per chunk, not by bandwidth).
 KVCOMP_HD void dape_accumulate(const double* partials, i64 blocks, i64 n, double* dape, i64 i) {
   if (i >= n) return;
+  constexpr i64 kBatch = 8;
   double acc = dape[i];
-  for (i64 blk = 0; blk < blocks; ++blk) acc += partials[blk * n + i];
+  i64 blk = 0;
+  for (; blk + kBatch <= blocks; blk += kBatch) {
+    double v[kBatch];
+    for (i64 j = 0; j < kBatch; ++j) v[j] = partials[(blk + j) * n + i];
+    for (i64 j = 0; j < kBatch; ++j) acc += v[j];
+  }
+  for (; blk < blocks; ++blk) acc += partials[blk * n + i];
   dape[i] = acc;
 }
 
@@ -271,6 +295,21 @@ KVCOMP_HD void gradient_row(const Geometry& g, const void* src, bool src_f32, vo
     static_cast<std::uint16_t*>(dst)[at] =
         keep ? static_cast<const std::uint16_t*>(src)[at] : std::uint16_t{0};
   }
+}
+
+// Element (i, j) of the plain product's D (cuBLAS's column-major terms):
+// op(A)(i, p) op(B)(p, j) summed over p in order in fp32.
+KVCOMP_HD void plain_gemm_element(const LtCall& c, i64 i, i64 j) {
+  float acc = 0.0f;
+  for (i64 p = 0; p < c.k; ++p) {
+    const float a = load_io(c.a.data, c.trans_a ? p + i * c.a.ld : i + p * c.a.ld, c.a.type);
+    const float b = load_io(c.b.data, c.trans_b ? j + p * c.b.ld : p + j * c.b.ld, c.b.type);
+    acc = acc + a * b;
+  }
+  void* d = const_cast<void*>(c.d.data);
+  const i64 at = i + j * c.d.ld;
+  const float prev = c.beta != 0.0f ? load_io(d, at, c.d.type) : 0.0f;
+  store_io(d, at, c.d.type, c.alpha * acc + c.beta * prev);
 }
 
 // Element i of a narrowing to io.

@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "cuda/chunk_plan.hpp"
+#include "cuda/gemm.hpp"
 
 namespace kvcomp::detail::cuda {
 
@@ -43,6 +44,11 @@ struct ForwardKernelArgs {
   std::int64_t out_rows = 0;       // rows of cmp_kv
   std::int64_t bsh_rows = 0;       // BSH: output rows per batch; 0 for TH
   std::int64_t total_blocks = 0;
+  // The call's cache slots alias (the serial path): a batch's positions may
+  // share a slot (a paged table row repeating a block id), and only the
+  // batch's last such position writes it, as on the CPU. Off otherwise (no
+  // slot is written twice: nothing to look for).
+  bool last_writer_only = false;
 };
 
 // Blocks [g_lo, g_hi) (their rows in the panel): softmax over the rows of
@@ -88,6 +94,11 @@ Status launch_gradient_rows(const Geometry& g, const void* src, bool src_f32, vo
                             std::int64_t b, std::int64_t H, cudaStream_t s);
 // dst[i] = io(src[i]) for n fp32 values.
 Status launch_narrow(const float* src, void* dst, DType io, std::int64_t n, cudaStream_t s);
+// The product of c (cuda/gemm.hpp) without cuBLASLt, for shapes it has no
+// algorithm for: one thread per element of D, an fp32 sum over K in order
+// (16-bit products are exact in fp32), then alpha and beta as cuBLASLt's
+// epilogue applies them. Slow, always available, deterministic.
+Status launch_plain_gemm(const LtCall& c, cudaStream_t s);
 // dst[i] = float(src[i]) for n float64 values.
 Status launch_f64_to_f32(const double* src, float* dst, std::int64_t n, cudaStream_t s);
 

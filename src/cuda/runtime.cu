@@ -1,6 +1,9 @@
 // The CUDA backend's view of the machine (devices, pointers), the
 // host copies of index data, and the device copy of the block plan.
 #include <algorithm>
+#include <cstdint>
+#include <mutex>
+#include <vector>
 
 #include "cuda/common.hpp"
 #include "kvcomp/kvcomp.hpp"
@@ -75,6 +78,24 @@ Status check_not_capturing(void* stream) {
       "and the Python package plan on every call)");
 }
 
+Status check_execute_stream(void* stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  const cudaError_t e = cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &capture);
+  if (e == cudaErrorStreamCaptureImplicit) {
+    (void)cudaGetLastError();  // ours: reported below
+    return invalid(
+        "stream (= the legacy default stream, while another stream is capturing a CUDA graph) must be the "
+        "stream being captured: execute() queues on the stream the plan was made with (Options::stream); "
+        "plan with the capturing stream");
+  }
+  if (e != cudaSuccess) return cuda_error("cudaStreamIsCapturing", e);
+  if (capture == cudaStreamCaptureStatusInvalidated)
+    return invalid(
+        "stream (= capturing a CUDA graph whose capture was invalidated) must be capturing validly: end the "
+        "capture and begin again");
+  return Status::success();
+}
+
 Status copy_index_to_host(const Tensor& t, void* stream, std::vector<std::int32_t>& out) {
   const std::int64_t n = t.numel();
   out.assign(static_cast<std::size_t>(std::max<std::int64_t>(n, 0)), 0);
@@ -91,27 +112,83 @@ Status copy_index_to_host(const Tensor& t, void* stream, std::vector<std::int32_
   return Status::success();
 }
 
-Status allocate_async(Device dev, void* stream, std::size_t bytes, void** out) {
-  DeviceGuard guard(dev.index);
-  if (!guard.status().ok()) return guard.status();
-  if (cudaError_t e =
-          cudaMallocAsync(out, std::max<std::size_t>(bytes, 1), static_cast<cudaStream_t>(stream));
-      e != cudaSuccess)
-    return {StatusCode::runtime_error,
-            "[kvcomp] workspace (= " + std::to_string(bytes) +
-                " bytes of device memory) could not be allocated: " + cudaGetErrorString(e)};
+namespace {
+
+// The one-call workspaces come from a memory pool of the library's own per
+// device, which keeps what it holds between calls (release threshold: no
+// limit), as the CPU backend keeps its workspace per thread: the default
+// pool's threshold of 0 gave the memory back to the driver at every
+// synchronisation, so each Python call unmapped and re-mapped ~300 MB.
+// release_workspace_pools() (kvcomp::release_cached_workspace) trims them.
+std::mutex g_pool_mutex;
+std::vector<cudaMemPool_t> g_pools;
+
+Status workspace_pool(int device, cudaMemPool_t* out) {
+  std::lock_guard<std::mutex> lock(g_pool_mutex);
+  const auto d = static_cast<std::size_t>(device);
+  if (g_pools.size() <= d) g_pools.resize(d + 1);
+  cudaMemPool_t& pool = g_pools[d];
+  if (!pool) {
+    cudaMemPoolProps props{};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.handleTypes = cudaMemHandleTypeNone;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = device;
+    if (cudaError_t e = cudaMemPoolCreate(&pool, &props); e != cudaSuccess) {
+      pool = nullptr;
+      return cuda_error("creating the workspace memory pool", e);
+    }
+    std::uint64_t keep_all = UINT64_MAX;
+    if (cudaError_t e = cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_all);
+        e != cudaSuccess)
+      return cuda_error("setting the workspace pool's release threshold", e);
+  }
+  *out = pool;
   return Status::success();
 }
 
+}  // namespace
+
+void release_workspace_pools() {
+  std::lock_guard<std::mutex> lock(g_pool_mutex);
+  for (cudaMemPool_t pool : g_pools)
+    if (pool && cudaMemPoolTrimTo(pool, 0) != cudaSuccess) (void)cudaGetLastError();  // nothing to report to
+}
+
+Status allocate_async(Device dev, void* stream, std::size_t bytes, void** out) {
+  DeviceGuard guard(dev.index);
+  if (!guard.status().ok()) return guard.status();
+  cudaMemPool_t pool = nullptr;
+  if (auto s = workspace_pool(dev.index, &pool); !s.ok()) return s;
+  if (cudaError_t e = cudaMallocFromPoolAsync(out, std::max<std::size_t>(bytes, 1), pool,
+                                              static_cast<cudaStream_t>(stream));
+      e != cudaSuccess) {
+    (void)cudaGetLastError();  // reported below, so cleared here
+    return {StatusCode::runtime_error,
+            "[kvcomp] workspace (= " + std::to_string(bytes) +
+                " bytes of device memory) could not be allocated: " + cudaGetErrorString(e)};
+  }
+  return Status::success();
+}
+
+namespace {
+// A free nobody can report (a destructor, the end of a one-call entry
+// point): its error is cleared here, where it is owned, so that the next
+// call does not find it.
+void free_quietly(void* p, cudaStream_t s) {
+  if (p && cudaFreeAsync(p, s) != cudaSuccess) (void)cudaGetLastError();
+}
+}  // namespace
+
 void free_async(Device dev, void* stream, void* p) {
   DeviceGuard guard(dev.index);
-  (void)cudaFreeAsync(p, static_cast<cudaStream_t>(stream));
+  free_quietly(p, static_cast<cudaStream_t>(stream));
 }
 
 DevicePlan::~DevicePlan() {
   DeviceGuard guard(device);
-  if (dev_batches) (void)cudaFreeAsync(dev_batches, stream);
-  if (dev_block_batch) (void)cudaFreeAsync(dev_block_batch, stream);
+  free_quietly(dev_batches, stream);
+  free_quietly(dev_block_batch, stream);
 }
 
 Status build_device_plan(const BlockPlan& plan, Device dev, void* stream, std::int64_t chunk_rows,

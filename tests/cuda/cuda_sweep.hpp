@@ -71,4 +71,37 @@ inline void check_shared_cache_blocks(const ForwardRunner& run,
   }
 }
 
+// Paged tables whose rows repeat one block id (every column of a batch's row
+// the same block), so that positions block_size apart in one batch share a
+// cache slot and one launch of cache writes meets a slot twice: the result
+// must be the CPU's, where the batch's last position wins.
+inline void check_repeated_block_ids(const ForwardRunner& run,
+                                     const std::function<void(const ForwardRun&)>& inspect = {}) {
+  SweepCase c{.name = "repeat",
+              .B = 2,
+              .S = 12,
+              .H = 16,
+              .D = 8,
+              .cache_mode = 1,
+              .block_size = 4,
+              .start_pos = {1, 6},
+              .random_seqused = false};
+  auto rc = make_random_case(c.options(), c.forward_seed);
+  round_io_inputs(rc.in, c.io);
+  ForwardRun cpu(rc.problem, rc.in, c.io), ours(rc.problem, rc.in, c.io);
+  for (ForwardRun* r : {&cpu, &ours}) {
+    const auto cols = static_cast<std::size_t>(r->args.state_block_table->dim(1));
+    for (std::size_t b = 0; b < 2; ++b)
+      for (std::size_t i = 0; i < cols; ++i) r->table.i32[b * cols + i] = static_cast<std::int32_t>(b + 1);
+  }
+  if (inspect) inspect(ours);
+  ASSERT_TRUE(cpu.run().ok());
+  const Status s = run(ours, {});
+  ASSERT_TRUE(s.ok()) << s.message;
+  const auto tw = two_way_compare(ours.cmp_kv.values(), cpu.cmp_kv.values(), c.io);
+  EXPECT_TRUE(tw.pass) << "cmp_kv: " << tw.summary();
+  const auto tc = two_way_compare(ours.cache.values(), cpu.cache.values(), c.io);
+  EXPECT_TRUE(tc.pass) << "cache: " << tc.summary();
+}
+
 }  // namespace kvcomp::test

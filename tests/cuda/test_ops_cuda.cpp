@@ -113,6 +113,28 @@ INSTANTIATE_TEST_SUITE_P(Issue11, CudaSweep, ::testing::ValuesIn(cuda_sweep()),
 
 // ---- Execution: a stream of the caller's, graph capture and replay.
 
+// A stream of the test's own. Declared before the plans made on it, so that
+// it is destroyed after them: a plan frees its device memory on its stream
+// when it goes (cudaFreeAsync), which needs the stream alive.
+struct OwnStream {
+  cudaStream_t s = nullptr;
+  explicit OwnStream(unsigned flags = cudaStreamNonBlocking) {
+    EXPECT_EQ(cudaStreamCreateWithFlags(&s, flags), cudaSuccess);
+  }
+  ~OwnStream() {
+    EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    EXPECT_EQ(cudaStreamDestroy(s), cudaSuccess);
+  }
+  OwnStream(const OwnStream&) = delete;
+  OwnStream& operator=(const OwnStream&) = delete;
+};
+
+// No error left pending on the thread: a test that leaves one would fail the
+// next test's first launch check in the same process.
+void expect_no_pending_error() {
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "a CUDA error was left pending";
+}
+
 SweepCase graph_case() {
   return {.name = "graph", .th = true, .B = 3, .S = 40, .H = 64, .D = 32, .max_start_pos = 9};
 }
@@ -128,8 +150,8 @@ TEST(CudaExecution, ForwardAndBackwardReplayFromACudaGraph) {
   ASSERT_TRUE(on_gpu(direct_f, {}).ok());
   ASSERT_TRUE(on_gpu(direct_b, {}).ok());
 
-  cudaStream_t stream = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  OwnStream own;
+  cudaStream_t stream = own.s;
   Options o;
   o.stream = stream;
   ForwardArgs fa = graph_f.args;
@@ -169,8 +191,8 @@ TEST(CudaExecution, ForwardAndBackwardReplayFromACudaGraph) {
   cudaGraphDestroy(graph);
   cudaFree(fws);
   cudaFree(bws);
-  cudaStreamDestroy(stream);
-}
+  expect_no_pending_error();
+}  // fp and bp go first, then the stream (own)
 
 // Planning waits for the stream, which a capturing stream cannot do: refused
 // with the way out, and the capture stays usable.
@@ -182,8 +204,8 @@ TEST(CudaExecution, PlanningDuringACaptureIsRefused) {
   ForwardArgs a = r.args;
   DeviceMirror m;
   move_forward(m, a);
-  cudaStream_t stream = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  OwnStream own;
+  cudaStream_t stream = own.s;
   Options o;
   o.stream = stream;
   ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
@@ -197,7 +219,55 @@ TEST(CudaExecution, PlanningDuringACaptureIsRefused) {
       0u)
       << s.message;
   if (graph) cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
+  expect_no_pending_error();
+}
+
+// execute() queues on the plan's stream. Planned on the legacy default
+// stream, it cannot join a capture on another (blocking) stream: refused
+// with the way out (without the check the launch failed with
+// cudaErrorStreamCaptureImplicit and invalidated the caller's capture). A
+// non-blocking capturing stream does not synchronise with the legacy one:
+// nothing to see then, the work runs outside the graph (documented).
+TEST(CudaExecution, ExecuteOnTheDefaultStreamDuringAnotherCaptureIsRefused) {
+  KVCOMP_REQUIRE_GPU();
+  const SweepCase c = graph_case();
+  auto rc = make_random_case(c.options(), c.forward_seed);
+  ForwardRun r(rc.problem, rc.in, c.io);
+  ForwardArgs a = r.args;
+  DeviceMirror m;
+  move_forward(m, a);
+  OwnStream capturing(cudaStreamDefault);  // blocking: the legacy stream would join its capture
+  ForwardPlan plan;                        // on the default stream
+  ASSERT_TRUE(plan_forward(a, {}, &plan).ok());
+  void* ws = nullptr;
+  ASSERT_EQ(cudaMalloc(&ws, plan.workspace_size()), cudaSuccess);
+  ASSERT_EQ(cudaStreamBeginCapture(capturing.s, cudaStreamCaptureModeGlobal), cudaSuccess);
+  const Status s = execute(plan, ws, plan.workspace_size());
+  cudaGraph_t graph = nullptr;
+  EXPECT_EQ(cudaStreamEndCapture(capturing.s, &graph), cudaSuccess) << "the caller's capture must stay valid";
+  EXPECT_EQ(s.code, StatusCode::invalid_param) << s.message;
+  const char* expected = "[kvcomp] stream (= the legacy default stream, while another stream is capturing";
+  EXPECT_EQ(s.message.rfind(expected, 0), 0u) << s.message;
+  if (graph) cudaGraphDestroy(graph);
+  cudaFree(ws);
+  expect_no_pending_error();
+}
+
+// An error the caller's own code left pending is not this call's: the call
+// succeeds (launch errors are read from each launch's return value).
+TEST(CudaExecution, AnErrorLeftPendingByTheCallerIsNotReportedAsOurs) {
+  KVCOMP_REQUIRE_GPU();
+  const SweepCase c = graph_case();
+  auto rc = make_random_case(c.options(), c.forward_seed);
+  round_io_inputs(rc.in, c.io);
+  ForwardRun ref(rc.problem, rc.in, c.io), r(rc.problem, rc.in, c.io);
+  ASSERT_TRUE(on_gpu(ref, {}).ok());
+  ASSERT_NE(cudaSetDevice(1 << 20), cudaSuccess);  // leaves cudaErrorInvalidDevice pending
+  const Status s = on_gpu(r, {});
+  EXPECT_TRUE(s.ok()) << s.message;
+  EXPECT_EQ(bytes_of(r.cmp_kv), bytes_of(ref.cmp_kv));
+  (void)cudaGetLastError();
+  expect_no_pending_error();
 }
 
 // ---- Validation with device memory: the data rules give the CPU's status.
@@ -287,6 +357,11 @@ TEST(CudaValidation, ATableCorruptedAfterPlanningStaysInBounds) {
 TEST(CudaCache, SharedBlocksFollowTheSpecOrderLikeTheCpu) {
   KVCOMP_REQUIRE_GPU();
   check_shared_cache_blocks([](ForwardRun& r, const Options& o) { return on_gpu(r, o); });
+}
+
+TEST(CudaCache, RepeatedBlockIdsKeepTheLastWriterLikeTheCpu) {
+  KVCOMP_REQUIRE_GPU();
+  check_repeated_block_ids([](ForwardRun& r, const Options& o) { return on_gpu(r, o); });
 }
 
 // ---- Large cases: GPU against the CPU backend (itself checked against the oracle).
