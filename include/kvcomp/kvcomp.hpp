@@ -147,7 +147,8 @@ struct BackwardArgs : SequenceArgs {
   Tensor d_x;      // io dtype, shape of x
   Tensor d_wkv;    // io dtype, [coff*D, H]; or f32 (both; extended profile, CPU): unrounded
   Tensor d_wgate;  // io dtype, [coff*D, H]; f32 with d_wkv
-  Tensor d_ape;    // f32, [cmp_ratio, coff*D]
+  Tensor d_ape;    // f32, [cmp_ratio, coff*D]; or f32 [2, cmp_ratio, coff*D] (extended profile,
+                   // CPU): the float64 sums as hi + lo (hi the f32 result, lo what it rounded off)
 };
 
 struct ForwardPlanState;

@@ -242,6 +242,7 @@ def compressor_grad(
     precision=None,
     num_threads=None,
     fp32_weight_grads=False,
+    float64_d_ape=False,
 ):
     """The CompressorGrad backward (aclnnCompressorGrad) on torch tensors or numpy arrays.
 
@@ -253,7 +254,9 @@ def compressor_grad(
         (d_x, d_wkv, d_wgate, d_ape) of the kind of ``x``: d_x io shape of x (zero rows for tokens in
         no compressed block), d_wkv and d_wgate io [C, H] (fp32, unrounded, with
         ``fp32_weight_grads=True``: an extension, CPU only, for fp32 master weights and for partial
-        sums reduced before rounding), d_ape fp32 [r, C]. No block at all gives four zero outputs.
+        sums reduced before rounding), d_ape fp32 [r, C] (float64, the kernels' sums before their
+        rounding to fp32, with ``float64_d_ape=True``: CPU only). No block at all gives four zero
+        outputs.
 
     Raises:
         KvcompError: the call was rejected (``.code`` is the aclnn status); nothing was written.
@@ -263,7 +266,8 @@ def compressor_grad(
     d_x = _empty(xs, _dims(xs))
     d_wkv = _empty(xs, _dims(ws), fp32=fp32_weight_grads)
     d_wgate = _empty(xs, _dims(gs), fp32=fp32_weight_grads)
-    d_ape = _empty(xs, (max(int(cmp_ratio), 0), _dims(ws)[0] if len(_dims(ws)) == 2 else 0), fp32=True)
+    dape_shape = (max(int(cmp_ratio), 0), _dims(ws)[0] if len(_dims(ws)) == 2 else 0)
+    d_ape = _empty(xs, ((2,) if float64_d_ape else ()) + dape_shape, fp32=True)
     _C.backward(
         xs,
         ws,
@@ -283,4 +287,7 @@ def compressor_grad(
         *opts,
         stream=_stream(xs),
     )
+    if float64_d_ape:  # the core writes the float64 sums as hi + lo fp32 parts
+        d_ape = d_ape[0].astype(np.float64) + d_ape[1] if isinstance(d_ape, np.ndarray) else \
+            d_ape[0].double() + d_ape[1].double()
     return d_x, d_wkv, d_wgate, d_ape

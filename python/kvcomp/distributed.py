@@ -51,6 +51,7 @@ __all__ = [
 ]
 
 SPLITS = ("contiguous", "load_balanced")
+_WEIGHT_GRADS = ("auto", "partial", "reduced")
 _DEFAULT_TIMEOUT_S = float(os.environ.get("KVCOMP_CP_TIMEOUT_S", "300"))
 _DTYPES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 _DEVICE_TYPES = {"cpu": 0, "cuda": 1}
@@ -68,6 +69,7 @@ _FIELDS = [
     "batch count B",
     "io dtype",
     "weight dtype (io or fp32)",
+    "weight_grads",
     "cu_seqlens / seqused / start_pos values",
     "need for a gradient",
     "precision",
@@ -555,9 +557,9 @@ class _CPCompressor(torch.autograd.Function):
         w_dt = ctx.w_dtype
         if not seqs:
             sent()
-            d_ape = torch.zeros((r, wkv.shape[0]), dtype=torch.float32, device=dev)
-            return (torch.zeros_like(x), torch.zeros_like(wkv, dtype=w_dt), torch.zeros_like(wgate, dtype=w_dt),
-                    d_ape, None, None)
+            d_wkv, d_wgate = torch.zeros_like(wkv, dtype=torch.float32), torch.zeros_like(wgate, dtype=torch.float32)
+            d_ape = torch.zeros((r, wkv.shape[0]), dtype=torch.float64, device=dev)
+            return (torch.zeros_like(x),) + _weight_grads(call, d_wkv, d_wgate, d_ape, w_dt) + (None, None)
         dc = torch.zeros((S.shape[0], D), dtype=x.dtype, device=dev)
         if n_own:
             dc.index_copy_(0, call.own_rows, dc_own)
@@ -577,15 +579,34 @@ class _CPCompressor(torch.autograd.Function):
         # x_loc's zero rows (later ranks' tokens) add nothing to d_wkv / d_wgate; their d_x is dropped.
         # fp32 master weights get fp32 partial sums (the CPU kernels write them unrounded), so the sum
         # over the ranks is rounded once, by the optimizer's dtype, not once per rank.
-        fp32_w = w_dt == torch.float32 and x.dtype != torch.float32 and dev.type == "cpu"
+        fp32_w = (w_dt == torch.float32 or call.reduce_w) and x.dtype != torch.float32 and dev.type == "cpu"
         dx_loc, d_wkv, d_wgate, d_ape_loc = torch.ops.kvcomp.compressor_backward(
-            dc, x_loc, wkv, wgate, S, K, cu, None, sp, r, coff, fp32_w
+            dc, x_loc, wkv, wgate, S, K, cu, None, sp, r, coff, fp32_w, dev.type == "cpu"
         )
-        d_wkv, d_wgate = d_wkv.to(w_dt), d_wgate.to(w_dt)
         d_x = _place_rows([(s.row0, s.tok, s.own_hi - s.lo) for s in seqs], dx_loc, xf)
         d_ape = _without_other_tokens(call, seqs, d_ape_loc, dc, S, K)
         sent()
-        return d_x.view(x.shape), d_wkv, d_wgate, d_ape, None, None
+        return (d_x.view(x.shape),) + _weight_grads(call, d_wkv, d_wgate, d_ape, w_dt) + (None, None)
+
+
+def _weight_grads(call, d_wkv, d_wgate, d_ape, w_dt):
+    """(d_wkv, d_wgate, d_ape) as the call returns them. d_ape (small: r x C) is always the group's
+    total, summed in float64 and rounded once, on its rank 0 (zeros elsewhere); d_wkv and d_wgate are
+    this rank's partial sums, or (weight_grads "reduced") the group's totals on its rank 0, likewise."""
+    works = [dist.all_reduce(d_ape, group=call.group, async_op=True)]
+    flat = None
+    if call.reduce_w:
+        flat = torch.cat([d_wkv.reshape(-1).float(), d_wgate.reshape(-1).float()])
+        works.append(dist.all_reduce(flat, group=call.group, async_op=True))
+    _wait(works, call.timeout, "all-reduce of the weight gradients")
+    if call.plan.rank != 0:
+        d_ape.zero_()
+        if flat is not None:
+            flat.zero_()
+    if flat is not None:
+        n = d_wkv.numel()
+        d_wkv, d_wgate = flat[:n].view(d_wkv.shape), flat[n:].view(d_wgate.shape)
+    return d_wkv.to(w_dt), d_wgate.to(w_dt), d_ape.to(torch.float32)
 
 
 def _place_rows(spans, dx_loc, xf):
@@ -608,7 +629,8 @@ def _place_rows(spans, dx_loc, xf):
 
 def _without_other_tokens(call, seqs, d_ape_loc, dc, S, K):
     """d_ape of this rank's tokens: the local call's d_ape less the dZ of the rows of other ranks'
-    tokens that its blocks past the pieces hold (those ranks count them), in float64 (spec 2.2, 2.5)."""
+    tokens that its blocks past the pieces hold (those ranks count them), in float64 (spec 2.2, 2.5).
+    On the CPU the local call's d_ape is its float64 sums, so the difference cancels nothing."""
     plan, D, r, coff = call.plan, call.D, call.plan.r, call.plan.coff
     i = torch.arange(coff * r)
     rel = (i // coff) - (coff - 1 - i % coff) * r  # row i's position relative to j*r
@@ -621,13 +643,13 @@ def _without_other_tokens(call, seqs, d_ape_loc, dc, S, K):
                 rows.append(s.row + j - s.j_first)
                 masks.append(ext)
     if not rows:
-        return d_ape_loc
+        return d_ape_loc.double()
     sel = torch.tensor(rows, dtype=torch.int64, device=call.device)
     s64, k64 = S.index_select(0, sel).double(), K.index_select(0, sel).double()
     dc64 = dc.index_select(0, sel).float().double()[:, None, :]
     w = (s64 * k64).sum(1, keepdim=True)
     dz = s64 * dc64 * (k64 - w) * torch.stack(masks).to(call.device, torch.float64)[:, :, None]
-    return (d_ape_loc.double() - dz.sum(0).reshape(r, coff * D)).to(torch.float32)
+    return d_ape_loc.double() - dz.sum(0).reshape(r, coff * D)  # float64: rounded by _weight_grads
 
 
 def _local_checks(x, wkv, wgate, ape, state_cache, dev_type):
@@ -642,7 +664,7 @@ def _local_checks(x, wkv, wgate, ape, state_cache, dev_type):
 
 
 def _describe(x, wkv, wgate, r, coff, split, cu_seqlens, seqused, start_pos, needs_grad, state_cache, cache_mode,
-              world, dev_problem):
+              world, dev_problem, weight_grads):
     d = [0] * len(_FIELDS)
     d[_F["group size"]] = world
     d[_F["layout (x.dim())"]] = x.dim()
@@ -655,6 +677,7 @@ def _describe(x, wkv, wgate, r, coff, split, cu_seqlens, seqused, start_pos, nee
     d[_F["batch count B"]] = x.shape[0] if x.dim() == 3 else (cu_seqlens.numel() - 1 if cu_seqlens is not None else -1)
     d[_F["io dtype"]] = _DTYPES.get(x.dtype, 0)
     d[_F["weight dtype (io or fp32)"]] = _DTYPES.get(wkv.dtype, 0) if wgate.dtype == wkv.dtype else -1
+    d[_F["weight_grads"]] = _WEIGHT_GRADS.index(weight_grads) if weight_grads in _WEIGHT_GRADS else -1
     d[_F["cu_seqlens / seqused / start_pos values"]] = _index_hash([cu_seqlens, seqused, start_pos])
     d[_F["need for a gradient"]] = int(needs_grad)
     d[_F["precision"]] = 1 if _functional.get_default_options()["precision"] == "npu_parity" else 0
@@ -733,7 +756,7 @@ def _global_layout(descs, x, split, cu_seqlens, seqused, start_pos):
 
 
 def _prepare(x, wkv, wgate, ape, cmp_ratio, group, split, cu_seqlens, seqused, start_pos, coff, state_cache,
-             state_block_table, cache_mode, timeout, needs_grad, reads_cache=True):
+             state_block_table, cache_mode, timeout, needs_grad, reads_cache=True, weight_grads="auto"):
     if not dist.is_available() or not dist.is_initialized():
         raise _err(RUNTIME_ERROR, "torch.distributed (= not initialised) must be initialised "
                                   "(torch.distributed.init_process_group) before a context-parallel call")
@@ -745,9 +768,11 @@ def _prepare(x, wkv, wgate, ape, cmp_ratio, group, split, cu_seqlens, seqused, s
     dev_problem = _local_checks(x, wkv, wgate, ape, state_cache, dev_type)
     tmo = _timeout(timeout)
     desc = _describe(x, wkv, wgate, cmp_ratio, coff, split, cu_seqlens, seqused, start_pos, needs_grad,
-                     state_cache, cache_mode, world, dev_problem)
+                     state_cache, cache_mode, world, dev_problem, weight_grads)
     descs = _gather(desc, group, world, device, tmo)
     _check_agreement(descs, dev_type, backend)
+    if weight_grads not in _WEIGHT_GRADS:
+        raise _err(INVALID_PARAM, f"weight_grads (= {weight_grads!r}) must be one of {', '.join(_WEIGHT_GRADS)}")
     if x.dim() not in (2, 3):
         raise _err(INVALID_PARAM, f"x.dim() (= {x.dim()}) must be 3 (BSH) or 2 (TH)")
     if coff not in (1, 2) or wkv.shape[0] % coff:
@@ -773,8 +798,11 @@ def _prepare(x, wkv, wgate, ape, cmp_ratio, group, split, cu_seqlens, seqused, s
     elif state_cache is not None and state_block_table is None:
         raise _err(NULL_POINTER, "state_block_table (= None) must be given with state_cache")
     out_shape = _output_shape(plan, x, cmp_ratio, D)
-    return _Call(group, tmo, plan, x, out_shape, D, C, state_cache, state_block_table, cache_mode,
-                 needs_grad)
+    call = _Call(group, tmo, plan, x, out_shape, D, C, state_cache, state_block_table, cache_mode, needs_grad)
+    if weight_grads == "auto":
+        weight_grads = "partial" if wkv.dtype == torch.float32 else "reduced"
+    call.reduce_w = weight_grads == "reduced"
+    return call
 
 
 def _output_shape(plan, x, r, D):
@@ -810,6 +838,7 @@ def cp_compressor(
     state_block_table=None,
     cache_mode: int = 1,
     timeout: Optional[float] = None,
+    weight_grads: str = "auto",
 ):
     """The compressor over sequences split across the ranks of ``group`` (default: the world).
 
@@ -830,6 +859,13 @@ def cp_compressor(
             a context-parallel call is a training step; continue decoding with the single call.
         timeout: seconds any wait on another rank may take (default ``KVCOMP_CP_TIMEOUT_S`` or 300);
             past it every rank raises KvcompError instead of hanging.
+        weight_grads: what the gradients of wkv, wgate and ape are on each rank; their sum over the
+            group is the gradient either way. ``"partial"``: this rank's tokens' and blocks' sums
+            (fp32 for fp32 weights; 16-bit weights get them rounded on each rank). ``"reduced"``: the
+            backward sums the ranks' unrounded partials (one all-reduce of the weights' size, fp32,
+            and of d_ape, float64) and the group's rank 0 gets the total, rounded once, the others
+            zeros. ``"auto"`` (default): ``"partial"`` for fp32 master weights, ``"reduced"`` for
+            16-bit weights, so the summed gradient is rounded once in both.
 
     Returns:
         The compressed rows this rank owns, io dtype: BSH ``[B, M, D]`` (per batch row, its owned
@@ -842,7 +878,7 @@ def cp_compressor(
     """
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, wkv, wgate, ape))
     call = _prepare(x, wkv, wgate, ape, cmp_ratio, group, split, cu_seqlens, seqused, start_pos, coff,
-                    state_cache, state_block_table, cache_mode, timeout, needs_grad)
+                    state_cache, state_block_table, cache_mode, timeout, needs_grad, weight_grads=weight_grads)
     return _CPCompressor.apply(x, wkv, wgate, ape, call, needs_grad)
 
 

@@ -125,11 +125,13 @@ def compressor_backward_op(
     cmp_ratio: int,
     coff: int,
     fp32_weight_grads: bool = False,
+    float64_d_ape: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """aclnnCompressorGrad as a PyTorch operator (the counterpart of upstream ``_compressor_backward``).
 
     Returns (d_x, d_wkv, d_wgate, d_ape): d_x io shape of x, d_wkv / d_wgate io [coff*D, H] (fp32,
-    unrounded, with ``fp32_weight_grads``: CPU tensors only), d_ape fp32 [cmp_ratio, coff*D].
+    unrounded, with ``fp32_weight_grads``: CPU tensors only), d_ape fp32 [cmp_ratio, coff*D] (float64
+    with ``float64_d_ape``: CPU tensors only).
     """
     return _functional.compressor_grad(
         x,
@@ -144,20 +146,21 @@ def compressor_backward_op(
         start_pos=start_pos,
         coff=coff,
         fp32_weight_grads=fp32_weight_grads,
+        float64_d_ape=float64_d_ape,
     )
 
 
 @compressor_backward_op.register_fake
 def _compressor_backward_fake(
     d_cmp_kv, x, wkv, wgate, softmax_score, kv, cu_seqlens, seqused, start_pos, cmp_ratio, coff,
-    fp32_weight_grads=False,
+    fp32_weight_grads=False, float64_d_ape=False,
 ):
     w_dt = torch.float32 if fp32_weight_grads else wkv.dtype
     return (
         x.new_empty(x.shape),
         wkv.new_empty(wkv.shape, dtype=w_dt),
         wgate.new_empty(wgate.shape, dtype=w_dt),
-        wkv.new_empty((cmp_ratio, wkv.shape[0]), dtype=torch.float32),
+        wkv.new_empty((cmp_ratio, wkv.shape[0]), dtype=torch.float64 if float64_d_ape else torch.float32),
     )
 
 

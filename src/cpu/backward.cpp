@@ -160,7 +160,11 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
     from_f32(buf.dwcat + (C + c) * buf.ld_h, dwgate + static_cast<std::size_t>(c * H) * w_size, w_dt, H);
   }
   auto* dape = static_cast<float*>(args.d_ape.data);
-  for (std::int64_t i = 0; i < d.r * C; ++i) dape[i] = static_cast<float>(buf.dape[i]);
+  const bool parts = args.d_ape.rank == 3;  // [2, r, C]: hi, then lo = the rest of the float64 sum
+  for (std::int64_t i = 0; i < d.r * C; ++i) {
+    dape[i] = static_cast<float>(buf.dape[i]);
+    if (parts) dape[d.r * C + i] = static_cast<float>(buf.dape[i] - static_cast<double>(dape[i]));
+  }
   return Status::success();
 }
 

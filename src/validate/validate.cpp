@@ -440,7 +440,12 @@ Status validate_backward(const BackwardArgs& a, const Options& o, BlockPlan* pla
   const DType wgrad_dt = wgrad_f32 ? DType::f32 : d.io;
   if (auto s = check_rank_dtype("d_wkv", a.d_wkv, wgrad_dt, 2); !s.ok()) return s;
   if (auto s = check_rank_dtype("d_wgate", a.d_wgate, wgrad_dt, 2); !s.ok()) return s;
-  if (auto s = check_rank_dtype("d_ape", a.d_ape, DType::f32, 2); !s.ok()) return s;
+  // d_ape: f32 [r, C]; or (extended profile, CPU) f32 [2, r, C]: the float64 sums as hi + lo parts.
+  const bool dape_parts = a.d_ape.rank == 3 && o.profile == Profile::extended;
+  if (dape_parts && a.d_ape.device.type != DeviceType::cpu)
+    return invalid("d_ape (rank 3 on " + device_name(a.d_ape.device) +
+                   ") must have rank 2: its float64 hi + lo parts are computed on the CPU only");
+  if (auto s = check_rank_dtype("d_ape", a.d_ape, DType::f32, dape_parts ? 3 : 2); !s.ok()) return s;
   for (const auto& [name, t] : non_empty)
     if (t->numel() == 0)
       return shape(std::string(name) + " (shape " + shape_str(*t) +
@@ -455,7 +460,11 @@ Status validate_backward(const BackwardArgs& a, const Options& o, BlockPlan* pla
   }
   if (auto s = check_shape("d_wkv", a.d_wkv, {d.C, d.H}); !s.ok()) return s;
   if (auto s = check_shape("d_wgate", a.d_wgate, {d.C, d.H}); !s.ok()) return s;
-  if (auto s = check_shape("d_ape", a.d_ape, {d.r, d.C}); !s.ok()) return s;
+  if (dape_parts) {
+    if (auto s = check_shape("d_ape", a.d_ape, {2, d.r, d.C}); !s.ok()) return s;
+  } else if (auto s = check_shape("d_ape", a.d_ape, {d.r, d.C}); !s.ok()) {
+    return s;
+  }
   IndexData idx(a, o, nullptr, copies);
   if (auto s = idx.load(); !s.ok()) return s;
   BlockPlan p;

@@ -37,7 +37,7 @@ def main():
         kw = dict(split=spec["split"], cu_seqlens=case.cu_seqlens, seqused=case.seqused, start_pos=case.start_pos,
                   coff=case.coff, state_cache=case.state_cache if spec.get("cache", True) else None,
                   state_block_table=case.state_block_table if spec.get("cache", True) else None,
-                  cache_mode=case.cache_mode, timeout=30)
+                  cache_mode=case.cache_mode, timeout=30, weight_grads=spec.get("weight_grads", "auto"))
         r = case.cmp_ratio
         if rank == 1 and spec.get("bad_r_on_rank1"):
             r = spec["bad_r_on_rank1"]

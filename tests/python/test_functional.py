@@ -274,9 +274,10 @@ def test_fp32_weight_grads_are_the_unrounded_sums(dtype, precision):
     args = (case.x, case.wkv, case.wgate, d, s, k, 4)
     kw = dict(start_pos=case.start_pos, seqused=case.seqused, coff=2, precision=precision)
     io = kvcomp.compressor_grad(*args, **kw)
-    wide = kvcomp.compressor_grad(*args, fp32_weight_grads=True, **kw)
-    assert wide[1].dtype == wide[2].dtype == torch.float32
-    assert torch.equal(wide[0], io[0]) and torch.equal(wide[3], io[3])  # d_x, d_ape unchanged
+    wide = kvcomp.compressor_grad(*args, fp32_weight_grads=True, float64_d_ape=True, **kw)
+    assert wide[1].dtype == wide[2].dtype == torch.float32 and wide[3].dtype == torch.float64
+    assert torch.equal(wide[0], io[0])  # d_x unchanged
+    assert torch.equal(wide[3].float(), io[3]) and not torch.equal(wide[3], io[3].double())  # d_ape widened
     _, oracle, _ = reference_grads(case, d, torch.float64)
     for i, name in ((1, "d_wkv"), (2, "d_wgate")):
         assert torch.equal(wide[i].to(case.x.dtype), io[i]), name
@@ -297,3 +298,6 @@ def test_fp32_weight_grads_rejections():
                                fp32_weight_grads=True)
     assert e.value.code == 161002 and "d_wkv (dtype f32) must have the io dtype bf16 under the aclnn profile" \
         in e.value.message
+    with pytest.raises(kvcomp.KvcompError) as e:
+        kvcomp.compressor_grad(case.x, case.wkv, case.wgate, cmp_kv, s, k, 4, profile="aclnn", float64_d_ape=True)
+    assert e.value.code == 161002 and "d_ape (rank 3) must have rank 2" in e.value.message
