@@ -15,7 +15,10 @@ Per case (C4A, C4Li, C128A) and token count it times, in the same process run:
   its compile warm-up; reported as n/a, with the reason, when torch.compile is missing or fails;
 * kvcomp fwd+bwd: ``kvcomp.torch.compressor`` on the same inputs, where ``import kvcomp.torch`` works
   and kvcomp runs on the device (cpu; cuda when ``kvcomp.has_cuda_backend()`` says this build has
-  the CUDA backend).
+  the CUDA backend), in the precise mode and, for 16-bit io, again in npu_parity mode;
+* eager fp32 fwd+bwd (16-bit io): the eager autograd again on fp32 copies of the inputs, the precise
+  mode's precision peer. On a CPU the "peers" table then compares kvcomp npu_parity with the eager
+  16-bit autograd and kvcomp precise with the eager fp32 one (issue 17's end-to-end targets).
 
 Each time is the mean over ``--repeat`` runs after ``--warmup`` runs: CUDA events on cuda,
 ``time.perf_counter`` after a synchronize elsewhere. Before timing a case, each variant's output is
@@ -211,6 +214,19 @@ def run_case(name, T, num_seqs, args, device, dtype, kt, notes):
     ref = out.detach().float()
     del out, grads
     res["eager_ms"] = time_ms(eager, device, args.warmup, args.repeat)
+    res["eager_fp32_ms"] = None
+    if dtype != torch.float32 and not args.no_fp32_peer:
+        leaves32 = [t.detach().float().requires_grad_() for t in (x, wkv, wgate, ape)]
+        g32 = g.float()
+
+        def eager32():
+            out = vectorised_forward(*leaves32[:3], leaves32[3], r, coff, num_seqs)
+            return out, torch.autograd.grad(out, leaves32, g32)
+
+        out32, _ = eager32()
+        _check(f"{label} eager fp32", out32, out_shape)
+        del out32
+        res["eager_fp32_ms"] = time_ms(eager32, device, args.warmup, args.repeat)
 
     def measure(key, step):
         """Checks a variant's output and gradients, compares it with eager, then times it. A failure
@@ -249,11 +265,30 @@ def run_case(name, T, num_seqs, args, device, dtype, kt, notes):
             )
 
         measure("kvcomp", step_of(kvcomp_fwd))
+        res["kvcomp_parity_ms"] = None
+        if dtype != torch.float32:
+            import kvcomp
+
+            previous = kvcomp.set_default_options(precision="npu_parity")
+            try:
+                measure("kvcomp_parity", step_of(kvcomp_fwd))
+            finally:
+                kvcomp.set_default_options(**previous)
 
     prod = res["products_fwd_ms"] + res["products_bwd_ms"]
     for k in ("eager", "compiled", "kvcomp"):
         res[f"{k}_over_products"] = None if res[f"{k}_ms"] is None else res[f"{k}_ms"] / prod
     return res
+
+
+def kt_products():
+    """What kvcomp's products run on (kvcomp.product_kernels(); CPU), or n/a."""
+    try:
+        import kvcomp
+
+        return kvcomp.product_kernels()
+    except Exception:  # noqa: BLE001 -- informative only
+        return "n/a"
 
 
 def _fmt(v, ratio=False):
@@ -296,6 +331,7 @@ def parse_args(argv):
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
+    p.add_argument("--no-fp32-peer", action="store_true", help="skip the eager fp32 variant of 16-bit io")
     p.add_argument("--json", help="also write the results to this file")
     return p.parse_args(argv)
 
@@ -340,6 +376,25 @@ def main(argv=None):
             f" | {r['products_tflops']:.3g} | {_fmt(r['eager_ms'])} | {_fmt(r['compiled_ms'])} | {_fmt(r['kvcomp_ms'])}"
             f" | {_fmt(r['eager_over_products'], True)} | {_fmt(r['compiled_over_products'], True)} |"
         )
+    peers = [r for r in results if r.get("kvcomp_ms") is not None and r.get("eager_fp32_ms") is not None]
+    if peers:
+        kinds = kt_products()
+        print()
+        print(f"Peers (kvcomp products: {kinds}): kvcomp npu_parity against the eager {args.dtype} autograd,"
+              " kvcomp precise against the eager fp32 autograd (speed-ups > 1: kvcomp faster)")
+        print()
+        print(
+            f"| case | layout | T | eager {args.dtype} ms | kvcomp npu_parity ms | speed-up | eager fp32 ms"
+            " | kvcomp precise ms | speed-up |"
+        )
+        print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        for r in peers:
+            par = r.get("kvcomp_parity_ms")
+            print(
+                f"| {r['case']} | {r['layout']} | {r['T']} | {_fmt(r['eager_ms'])} | {_fmt(par)}"
+                f" | {_fmt(None if par is None else r['eager_ms'] / par, True)} | {_fmt(r['eager_fp32_ms'])}"
+                f" | {_fmt(r['kvcomp_ms'])} | {_fmt(r['eager_fp32_ms'] / r['kvcomp_ms'], True)} |"
+            )
     for n in notes:
         print(n)
     if args.json:

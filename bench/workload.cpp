@@ -123,6 +123,57 @@ Workload::Workload(const Case& c) : buf_(std::make_unique<Buffers>()) {
 
 Workload::~Workload() = default;
 
+struct DecodeWorkload::Buffers {
+  std::vector<std::int32_t> sp, table;
+  std::vector<std::uint16_t> x, wkv, wgate, cmp;
+  std::vector<float> ape, cache;
+};
+
+DecodeWorkload::DecodeWorkload(const DecodeCase& c) : buf_(std::make_unique<Buffers>()) {
+  Buffers& b = *buf_;
+  const i64 C = c.p.coff * c.p.D, r = c.p.r, D = c.p.D, H = c.H, B = c.batches, S = c.tokens;
+  b.x = random_bf16(static_cast<std::size_t>(B * S * H), 1.0f, 11);
+  b.wkv = random_bf16(static_cast<std::size_t>(C * H), 0.02f, 12);
+  b.wgate = random_bf16(static_cast<std::size_t>(C * H), 0.02f, 13);
+  b.ape.assign(static_cast<std::size_t>(r * C), 0.01f);
+  b.sp.assign(static_cast<std::size_t>(B), static_cast<std::int32_t>(c.start_pos));
+  const i64 rows = compressed_rows_bsh(S, r);
+  b.cmp.resize(static_cast<std::size_t>(B * rows * D));
+  i64 bs = 0, blocks = 0, cols = 1;
+  if (c.ring) {
+    bs = c.p.coff * r + S;
+    blocks = B + 1;
+    b.table.resize(static_cast<std::size_t>(B));
+    for (i64 i = 0; i < B; ++i) b.table[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(i + 1);
+  } else {
+    bs = 16;
+    const i64 end = c.start_pos + S;
+    cols = (end + bs - 1) / bs;
+    const i64 first = std::max<i64>(0, (c.start_pos / r * r - c.p.coff * r) / bs);  // first column touched
+    b.table.assign(static_cast<std::size_t>(B * cols), 0);
+    std::int32_t next = 1;
+    for (i64 i = 0; i < B; ++i)
+      for (i64 col = first; col < cols; ++col) b.table[static_cast<std::size_t>(i * cols + col)] = next++;
+    blocks = next;
+  }
+  b.cache.assign(static_cast<std::size_t>(blocks * bs * 2 * C), 0.0f);
+  f_.x = Tensor(b.x.data(), DType::bf16, {B, S, H});
+  f_.wkv = Tensor(b.wkv.data(), DType::bf16, {C, H});
+  f_.wgate = Tensor(b.wgate.data(), DType::bf16, {C, H});
+  f_.cmp_ratio = r;
+  f_.coff = c.p.coff;
+  f_.start_pos = Tensor(b.sp.data(), DType::i32, {B});
+  f_.state_cache = Tensor(b.cache.data(), DType::f32, {blocks, bs, 2 * C});
+  f_.ape = Tensor(b.ape.data(), DType::f32, {r, C});
+  f_.cache_mode = c.ring ? 2 : 1;
+  f_.state_block_table =
+      c.ring ? Tensor(b.table.data(), DType::i32, {B}) : Tensor(b.table.data(), DType::i32, {B, cols});
+  f_.grad_enabled = false;
+  f_.cmp_kv = Tensor(b.cmp.data(), DType::bf16, {B, rows, D});
+}
+
+DecodeWorkload::~DecodeWorkload() = default;
+
 namespace {
 
 // One oneDNN matmul C[M,N] = A[M,K] . B[K,N] (A / B given transposed when
@@ -177,6 +228,12 @@ Products::Products(const Case& c, Which which, bool bf16_operands) : impl_(std::
     impl_->products.push_back(std::make_unique<Matmul>(c.T, c.H, C2, false, false, dt));
     impl_->products.push_back(std::make_unique<Matmul>(C2, c.H, c.T, true, false, dt));
   }
+}
+
+Products::Products(const DecodeCase& c, bool bf16_operands) : impl_(std::make_unique<Impl>()) {
+  const auto dt = bf16_operands ? dnnl::memory::data_type::bf16 : dnnl::memory::data_type::f32;
+  impl_->products.push_back(
+      std::make_unique<Matmul>(c.batches * c.tokens, 2 * c.p.coff * c.p.D, c.H, false, true, dt));
 }
 
 Products::~Products() = default;

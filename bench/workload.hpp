@@ -54,6 +54,32 @@ class Workload {
   double compressed_fraction_ = 0;
 };
 
+// A decode-sized forward: `batches` sequences of `tokens` tokens each (BSH
+// [B, tokens, H], bf16), every sequence at start_pos, no gradient; a paged
+// cache (block_size 16, ids only for the blocks the call reads or writes, 0
+// elsewhere, as the upstream harnesses build them) or a ring cache (one
+// block of coff*r + tokens slots per sequence).
+struct DecodeCase {
+  Profile p;
+  std::int64_t batches, tokens, H, start_pos;
+  bool ring;
+  double flop() const { return 4.0 * static_cast<double>(batches * tokens * p.coff * p.D * H); }
+};
+
+class DecodeWorkload {
+ public:
+  explicit DecodeWorkload(const DecodeCase& c);
+  DecodeWorkload(const DecodeWorkload&) = delete;
+  DecodeWorkload& operator=(const DecodeWorkload&) = delete;
+  ~DecodeWorkload();
+  const ForwardArgs& forward() const { return f_; }
+
+ private:
+  struct Buffers;
+  std::unique_ptr<Buffers> buf_;
+  ForwardArgs f_;
+};
+
 // The operator's matrix products alone, by oneDNN with its own threading:
 // forward x[T,H] . W[2C,H]^T; backward dnew[T,2C] . W[2C,H] and
 // dnew^T . x[T,H]. Operands f32 or bf16 (bf16 throws dnnl::error where
@@ -62,6 +88,8 @@ class Products {
  public:
   enum class Which { forward, backward };
   Products(const Case& c, Which which, bool bf16_operands);
+  // The decode call's one product: x[B*tokens, H] . W[2C, H]^T.
+  Products(const DecodeCase& c, bool bf16_operands);
   ~Products();
   Products(const Products&) = delete;
   Products& operator=(const Products&) = delete;

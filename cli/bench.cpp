@@ -24,6 +24,8 @@ using i64 = std::int64_t;
 using Clock = std::chrono::steady_clock;
 
 using bench::Case;
+using bench::DecodeCase;
+using bench::DecodeWorkload;
 using bench::Products;
 using bench::Workload;
 
@@ -58,7 +60,8 @@ double best_of(int repeat, F&& f) {
 }
 
 struct Result {
-  double fwd_s = 0, fwd_products_s = 0, bwd_s = 0, bwd_products_s = 0, bwd_products_bf16_s = 0;
+  double fwd_s = 0, fwd_products_s = 0, fwd_products_bf16_s = 0, bwd_s = 0, bwd_products_s = 0,
+         bwd_products_bf16_s = 0;
   long rss_mib = 0;
   double compressed_fraction = 0;  // tokens inside compressed blocks / T
 };
@@ -70,6 +73,7 @@ Result run_case(const Case& c, const BenchOptions& o) {
     res.compressed_fraction = w.compressed_fraction();
     Options opt;
     opt.num_threads = o.threads;
+    opt.precision = o.npu_parity ? Precision::npu_parity : Precision::precise;
     Status st;
     res.fwd_s = best_of(o.repeat, [&] { st = compressor_forward(w.forward(), opt); });
     if (!st.ok()) throw std::runtime_error(st.message);
@@ -77,14 +81,11 @@ Result run_case(const Case& c, const BenchOptions& o) {
     if (!st.ok()) throw std::runtime_error(st.message);
     res.rss_mib = peak_rss_mib();
   }
-  // The products alone (oneDNN, library threading, fp32 operands as the
-  // precise path uses; bf16 operands as the fast path would).
-  {
-    Products fwd(c, Products::Which::forward, false);
-    res.fwd_products_s = best_of(o.repeat, [&] { fwd.run(); });
-  }
+  // The products alone (oneDNN, library threading), with fp32 and with bf16 operands.
   for (bool bf16 : {false, true}) {
     try {
+      Products fwd(c, Products::Which::forward, bf16);
+      (bf16 ? res.fwd_products_bf16_s : res.fwd_products_s) = best_of(o.repeat, [&] { fwd.run(); });
       Products bwd(c, Products::Which::backward, bf16);
       (bf16 ? res.bwd_products_bf16_s : res.bwd_products_s) = best_of(o.repeat, [&] { bwd.run(); });
     } catch (const dnnl::error&) {
@@ -92,6 +93,64 @@ Result run_case(const Case& c, const BenchOptions& o) {
     }
   }
   return res;
+}
+
+struct DecodeResult {
+  double open_s = 0, close_s = 0, products_s = 0, products_bf16_s = 0;
+};
+
+// A decode call where no sequence closes a block, and one where every
+// sequence does (both at positions past 1024), and its one product alone.
+DecodeResult run_decode(DecodeCase c, const BenchOptions& o) {
+  DecodeResult res;
+  Options opt;
+  opt.num_threads = o.threads;
+  const std::int64_t base = 1024 / c.p.r * c.p.r + c.p.r;  // a block start
+  auto time_call = [&](std::int64_t start_pos) {
+    c.start_pos = start_pos;
+    const DecodeWorkload w(c);
+    Status st = compressor_forward(w.forward(), opt);  // warm-up: primitives, pages
+    const double t = best_of(o.repeat, [&] { st = compressor_forward(w.forward(), opt); });
+    if (!st.ok()) throw std::runtime_error(st.message);
+    return t;
+  };
+  if (c.tokens < c.p.r) res.open_s = time_call(base);  // tokens base .. base + tokens - 1: no block end
+  res.close_s = time_call(base + c.p.r - c.tokens);    // the last token ends a block
+  for (bool bf16 : {false, true}) {
+    try {
+      Products prod(c, bf16);
+      prod.run();
+      (bf16 ? res.products_bf16_s : res.products_s) = best_of(o.repeat, [&] { prod.run(); });
+    } catch (const dnnl::error&) {
+      if (!bf16) throw;
+    }
+  }
+  return res;
+}
+
+// "1.234" or "n/a" when the denominator was not measured.
+std::string ratio(double num, double den) {
+  if (!(num > 0) || !(den > 0)) return "n/a";
+  char b[32];
+  std::snprintf(b, sizeof b, "%.3f", num / den);
+  return b;
+}
+
+// What the library's products run on for a bf16 call (product_kernels()).
+struct Used {
+  bool fwd_bf16, bwd_bf16;
+  const char* fwd;
+  const char* bwd;
+};
+
+Used products_used(bool npu_parity) {
+  const std::string k = product_kernels();
+  const bool units = k.rfind("bf16 (", 0) == 0;
+  const bool split = k.find("precise as hi+lo") != std::string::npos;
+  Used u{units, units && (npu_parity || split), units ? "bf16" : "f32", "f32"};
+  if (units && npu_parity) u.bwd = "bf16";
+  if (units && !npu_parity && split) u.bwd = "hi+lo";
+  return u;
 }
 
 }  // namespace
@@ -106,7 +165,7 @@ int run_bench(const BenchOptions& o) {
   std::vector<Case> cases;
   for (const bench::Profile& p : bench::kProfiles) {
     if (o.preset != "all" && o.preset != p.name) continue;
-    for (i64 T : o.tokens) {
+    for (i64 T : o.training ? o.tokens : std::vector<i64>{}) {
       cases.push_back({p, T, o.hidden, 1});
       const i64 batches = bench::varlen_batches(p, T, o.varlen);
       if (batches > 1) cases.push_back({p, T, o.hidden, batches});
@@ -124,11 +183,15 @@ int run_bench(const BenchOptions& o) {
     return kExitStatus;
 #endif
   }
-  std::printf("kvcomp %s bench: %d threads, H=%lld, bf16 io, precise mode, %s kernels, products %s, best of %d\n",
-              version(), threads, static_cast<long long>(o.hidden), kernel_isa(), product_kernels(), o.repeat);
-  std::printf("%-6s %-10s %7s %5s | %9s %8s %6s | %9s %8s %6s %9s | %8s\n", "prof", "layout", "T", "cmp%",
-              "fwd ms", "GFLOP/s", "x prod", "bwd ms", "GFLOP/s", "x prod", "x bf16pr", "peak MiB");
+  const Used used = products_used(o.npu_parity);
+  std::printf("kvcomp %s bench: %d threads, H=%lld, bf16 io, %s mode, %s kernels, products %s, best of %d\n",
+              version(), threads, static_cast<long long>(o.hidden), o.npu_parity ? "npu_parity" : "precise",
+              kernel_isa(), product_kernels(), o.repeat);
   int i = 0;
+  if (!cases.empty())
+    std::printf("%-6s %-8s %6s %5s | %-10s | %8s %7s %6s %6s | %8s %7s %6s %6s | %7s\n", "prof", "layout",
+                "T", "cmp%", "products", "fwd ms", "GFLOP/s", "x f32p", "x 16p", "bwd ms", "GFLOP/s",
+                "x f32p", "x 16p", "peak MiB");
   for (const Case& c : cases) {
     std::fprintf(stderr, "[%d/%zu] %s T=%lld %s ...\r", ++i, cases.size(), c.p.name,
                  static_cast<long long>(c.T), c.batches > 1 ? "TH" : "BSH");
@@ -137,22 +200,57 @@ int run_bench(const BenchOptions& o) {
     const Result r = run_case(c, o);
     const double flop_fwd = c.forward_flop(), flop_bwd = c.backward_flop();
     const std::string layout = c.batches > 1 ? "TH/" + std::to_string(c.batches) : "BSH";
-    char bf16_ratio[32] = "n/a";
-    if (r.bwd_products_bf16_s > 0)
-      std::snprintf(bf16_ratio, sizeof bf16_ratio, "%.3f", r.bwd_s / r.bwd_products_bf16_s);
-    std::printf("%-6s %-10s %7lld %5.1f | %9.1f %8.1f %6.3f | %9.1f %8.1f %6.3f %9s | %8ld\n", c.p.name,
-                layout.c_str(), static_cast<long long>(c.T), 100.0 * r.compressed_fraction, r.fwd_s * 1e3,
-                flop_fwd / r.fwd_s / 1e9, r.fwd_s / r.fwd_products_s, r.bwd_s * 1e3, flop_bwd / r.bwd_s / 1e9,
-                r.bwd_s / r.bwd_products_s, bf16_ratio, r.rss_mib);
+    const std::string kinds = std::string(used.fwd) + "/" + used.bwd;
+    std::printf("%-6s %-8s %6lld %5.1f | %-10s | %8.1f %7.1f %6s %6s | %8.1f %7.1f %6s %6s | %7ld\n",
+                c.p.name, layout.c_str(), static_cast<long long>(c.T), 100.0 * r.compressed_fraction,
+                kinds.c_str(), r.fwd_s * 1e3, flop_fwd / r.fwd_s / 1e9,
+                ratio(r.fwd_s, r.fwd_products_s).c_str(), ratio(r.fwd_s, r.fwd_products_bf16_s).c_str(),
+                r.bwd_s * 1e3, flop_bwd / r.bwd_s / 1e9, ratio(r.bwd_s, r.bwd_products_s).c_str(),
+                ratio(r.bwd_s, r.bwd_products_bf16_s).c_str(), r.rss_mib);
+    std::fflush(stdout);
+  }
+  std::vector<DecodeCase> decode;
+  for (const bench::Profile& p : bench::kProfiles) {
+    if (o.preset != "all" && o.preset != p.name) continue;
+    for (i64 b : o.decode)
+      if (b > 0) decode.push_back({p, b, o.decode_tokens, o.hidden, 0, o.decode_cache == "ring"});
+  }
+  if (!decode.empty())
+    std::printf("\n%-6s %4s %3s %-5s | %-8s | %9s %9s %6s | %8s %8s | %6s %7s\n", "decode", "B", "tok",
+                "cache", "products", "open ms", "close ms", "c/o", "16p ms", "f32p ms", "x prod", "GFLOP/s");
+  for (const DecodeCase& c : decode) {
+    std::fprintf(stderr, "decode %s B=%lld ...\r", c.p.name, static_cast<long long>(c.batches));
+    std::fflush(stderr);
+    const DecodeResult r = run_decode(c, o);
+    // x prod: the block-closing call against the product alone of the kind the call uses.
+    const double prod = used.fwd_bf16 ? r.products_bf16_s : r.products_s;
+    char open_ms[32] = "n/a";
+    if (r.open_s > 0) std::snprintf(open_ms, sizeof open_ms, "%.3f", r.open_s * 1e3);
+    char bf16_ms[32] = "n/a";
+    if (r.products_bf16_s > 0) std::snprintf(bf16_ms, sizeof bf16_ms, "%.3f", r.products_bf16_s * 1e3);
+    std::printf("%-6s %4lld %3lld %-5s | %-8s | %9s %9.3f %6s | %8s %8.3f | %6s %7.1f\n", c.p.name,
+                static_cast<long long>(c.batches), static_cast<long long>(c.tokens), o.decode_cache.c_str(),
+                used.fwd, open_ms, r.close_s * 1e3, ratio(r.close_s, r.open_s).c_str(), bf16_ms,
+                r.products_s * 1e3, ratio(r.close_s, prod).c_str(), c.flop() / r.close_s / 1e9);
     std::fflush(stdout);
   }
   std::fprintf(stderr, "%60s\r", "");
   std::printf(
-      "x prod: operator time / time of its matrix products alone (oneDNN, fp32 operands, same threads);\n"
-      "x bf16pr: the same against bf16-operand products. Flops: forward 4*T*C*H, backward 8*T*C*H.\n"
+      "products: what the forward / backward products of a bf16 call run on (bf16 units, hi+lo bf16 parts, "
+      "f32).\n"
+      "x f32p, x 16p: operator time / time of its matrix products alone (oneDNN, library threading, same "
+      "threads)\n"
+      "  with fp32 / bf16 operands (n/a: no bf16 matmul on this CPU). Flops: forward 4*T*C*H, backward "
+      "8*T*C*H.\n"
       "cmp%%: tokens inside compressed blocks (the backward's products skip whole chunks without any);\n"
       "TH/n: n sequences, lengths uniform in [0.5, 1.5] x T/n. peak MiB: the process's peak RSS in the "
-      "case.\n");
+      "case.\n"
+      "decode: forward of B sequences x tok tokens past position 1024, no gradient; open: no sequence ends a "
+      "block,\n"
+      "  close: every sequence does; c/o their ratio; 16p / f32p: the call's product x[B*tok, H] . W[2C, "
+      "H]^T "
+      "alone;\n"
+      "  x prod: close / the product alone of the kind the call uses.\n");
   return kExitOk;
 }
 

@@ -54,7 +54,12 @@ struct BenchOptions {
   std::int64_t varlen = 64;  // also a TH case with this many sequences (<= 1: BSH only)
   int repeat = 3;
   int threads = 0;
-  Device device;  // cpu, or a CUDA device (cli/bench_cuda.cpp)
+  bool npu_parity = false;                          // the backward's precision mode (precise by default)
+  bool training = true;                             // the T-token forward + backward cases
+  std::vector<std::int64_t> decode{1, 8, 64, 256};  // decode cases: batch sizes (none: empty)
+  std::int64_t decode_tokens = 1;
+  std::string decode_cache = "paged";  // paged or ring
+  Device device;                       // cpu, or a CUDA device (cli/bench_cuda.cpp)
 };
 
 int run_bench(const BenchOptions& o);

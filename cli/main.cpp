@@ -178,6 +178,18 @@ int run(int argc, char** argv) {
   bench->add_option("--threads", bench_o.threads, "OpenMP threads (0: the OpenMP default)")
       ->check(CLI::Range(0, 4096))
       ->capture_default_str();
+  bench->add_flag("--npu-parity", bench_o.npu_parity,
+                  "Time the backward in npu_parity mode (default: precise)");
+  bench->add_flag("!--no-training", bench_o.training, "Leave out the T-token forward + backward cases");
+  bench->add_option("--decode", bench_o.decode, "Decode cases: batch sizes B (0: none)")
+      ->check(CLI::Range(0, 1 << 20))
+      ->capture_default_str();
+  bench->add_option("--decode-tokens", bench_o.decode_tokens, "Tokens per sequence of a decode call")
+      ->check(CLI::Range(1, 4096))
+      ->capture_default_str();
+  bench->add_option("--decode-cache", bench_o.decode_cache, "Cache of the decode cases: paged or ring")
+      ->check(CLI::IsMember({"paged", "ring"}))
+      ->capture_default_str();
   add_device_option(bench, &bench_o.device);
   bench->footer(kExitFooter);
   CLI::App* info =
@@ -205,9 +217,9 @@ int run(int argc, char** argv) {
     if (demo->parsed()) return run_demo(demo_o);
     if (bench->parsed()) return run_bench(bench_o);
     if (info->parsed()) {
-      std::printf("kvcomp %s\ncpu kernels: %s\ncpu products: %s\ncuda backend: %s\ncuda devices: %d\n", version(),
-                  kernel_isa(), product_kernels(), has_cuda_backend() ? "yes" : "no (built without a CUDA toolkit)",
-                  cuda_device_count());
+      std::printf("kvcomp %s\ncpu kernels: %s\ncpu products: %s\ncuda backend: %s\ncuda devices: %d\n",
+                  version(), kernel_isa(), product_kernels(),
+                  has_cuda_backend() ? "yes" : "no (built without a CUDA toolkit)", cuda_device_count());
       return kExitOk;
     }
   } catch (const io::IoError& e) {

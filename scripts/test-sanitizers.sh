@@ -28,8 +28,11 @@ export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 #    project against it without -fsanitize; linking that uninstrumented
 #    program to the instrumented libkvcomp fails on the __asan_* symbols. It
 #    tests packaging, which the normal suite covers.
+#  - robustness.alloc_failure_products_* and core.products_*: reruns of whole binaries
+#    on the other product path (KVCOMP_PRODUCTS): the machine's own path runs here, the normal suite
+#    runs both, and the allocation sweeps take minutes each under ASan.
 ctest --test-dir build-asan --output-on-failure --parallel "$jobs" --timeout 1800 -LE python \
-  -E '^example\.downstream_build$'
+  -E '^(example\.downstream_build|robustness\.alloc_failure_products_.*|core\.products_.*)$'
 
 # The Python suite on the instrumented extension. The interpreter is not
 # built with ASan, so its runtime is preloaded, and libstdc++ with it:
@@ -37,12 +40,13 @@ ctest --test-dir build-asan --output-on-failure --parallel "$jobs" --timeout 180
 # not link libstdc++) and the first C++ exception the extension throws stops
 # the process with "CHECK failed: ... real___cxa_throw". Leak detection is
 # off for the interpreter (CPython and torch keep their allocations until
-# exit by design); every other report fails the test.
+# exit by design); every other report fails the test. The reruns of suites on the other product
+# path (python_*_products_*) are left to the normal suite, as above.
 (
   export LD_PRELOAD="$(g++ -print-file-name=libasan.so) $(g++ -print-file-name=libstdc++.so.6)"
   export ASAN_OPTIONS=detect_leaks=0:check_initialization_order=1
   ctest --test-dir build-asan --output-on-failure --parallel "$jobs" --timeout 1800 -L python \
-    -E '^python_pip_install$'
+    -E '^(python_pip_install|python_.*_products_(f32|bf16))$'
 )
 
 # ---- 2. ThreadSanitizer on the concurrency test ----------------------------

@@ -134,7 +134,7 @@ Status make_plan(const Args& args, const Options& options, const char* op, Valid
       if (auto s = prepare(*st, bp); !s.ok()) return s;
     } else {
       st->threads = resolve_threads(options);
-      st->workspace = workspace_size(bp.dims, st->threads);
+      st->workspace = workspace_size(bp.dims, options, st->threads);
     }
     out = std::move(st);
     return Status::success();
@@ -294,7 +294,7 @@ Status execute(ForwardPlan& plan, void* workspace, std::size_t workspace_size) {
                     if (st.on_cuda())
                       return detail::cuda::run_forward(st.args, st.options, bp, *st.device_plan, ws);
 #endif
-                    return detail::run_forward(st.args, bp, st.threads, ws);
+                    return detail::run_forward(st.args, bp, st.threads, ws, st.workspace);
                   });
 }
 
@@ -305,7 +305,8 @@ Status execute(BackwardPlan& plan, void* workspace, std::size_t workspace_size) 
                     if (st.on_cuda())
                       return detail::cuda::run_backward(st.args, st.options, bp, *st.device_plan, ws);
 #endif
-                    return detail::run_backward(st.args, bp, st.options.precision, st.threads, ws);
+                    return detail::run_backward(st.args, bp, st.options.precision, st.threads, ws,
+                                                st.workspace);
                   });
 }
 

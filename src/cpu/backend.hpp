@@ -25,11 +25,15 @@ inline std::int64_t padded_ld(std::int64_t n) { return (n + 15) / 16 * 16 + 16; 
 
 // Workspace bytes for a call run with num_threads threads (execute uses the
 // thread count resolved when planning).
-std::size_t forward_workspace_size(const Dims& d, int num_threads);
-std::size_t backward_workspace_size(const Dims& d, int num_threads);
+std::size_t forward_workspace_size(const Dims& d, const Options& options, int num_threads);
+std::size_t backward_workspace_size(const Dims& d, const Options& options, int num_threads);
 
-Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threads, void* workspace);
+// workspace_size: the size planned (the run refuses if its own layout needs
+// more: the bf16 products' packed sizes are queried from oneDNN again, and a
+// query that failed once, e.g. out of memory, must never overflow the buffer).
+Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threads, void* workspace,
+                   std::size_t workspace_size);
 Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision precision, int num_threads,
-                    void* workspace);
+                    void* workspace, std::size_t workspace_size);
 
 }  // namespace kvcomp::detail

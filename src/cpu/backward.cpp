@@ -1,11 +1,14 @@
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
-#include "cpu/block_phases.hpp"
 #include "cpu/backend.hpp"
+#include "cpu/block_phases.hpp"
 #include "cpu/convert.hpp"
 #include "cpu/gemm.hpp"
+#include "cpu/gemm_bf16.hpp"
+#include "kvcomp/half.hpp"
 
 namespace kvcomp::detail {
 
@@ -13,33 +16,104 @@ namespace {
 
 struct BackwardBuffers {
   std::int64_t R, ld_h, ld_c2, ld_r;  // chunk rows and padded leading dimensions
-  float* wcat;                        // [2C, ld_h]: wkv rows then wgate rows, fp32
-  float* dwcat;                       // [2C, ld_h]: d_wkv rows then d_wgate rows, fp32 accumulators
-  float* xf;                          // [R, ld_h]: the chunk's x rows in fp32 (rows without gradient zeroed)
-  float* dnew;                        // [R, ld_c2]: d_new_kv | d_new_score
-  float* dnew_t;  // [2C, ld_r]: its transpose (oneDNN's transposed-A path runs at half speed)
-  float* dxf;     // [R, ld_h]: d_x of the chunk before narrowing
-  double* dape;   // [r, C]
+  float* wcat = nullptr;              // [2C, ld_h]: wkv rows then wgate rows, fp32 (fp32 products)
+  float* dwcat;                       // [2C (bf16: padded to a tile), ld_h]: d_wkv then d_wgate rows, fp32
+  float* xf = nullptr;  // [R, ld_h]: the chunk's x rows in fp32, rows without gradient zeroed (fp32 products)
+  float* dnew;          // [Rp, ld_c2]: d_new_kv | d_new_score
+  float* dnew_t = nullptr;  // [2C, ld_r]: its transpose (oneDNN's transposed-A path runs at half speed)
+  float* dxf;               // [Rp, ld_h]: d_x of the chunk before narrowing
+  double* dape;             // [r, C]
+  // bf16 products (gemm_bf16.hpp), when the io dtype is bf16 and the CPU has bf16 units. d_new in
+  // bf16 as a high part and, in precise mode, a low part (d_new - hi, rounded): both as the d_x
+  // product's A [Rp, ld_dn] and, transposed, as the weight-gradient product's A [2Cp, ld_t].
+  bool bf16 = false;
+  bool ok = true;
+  std::int64_t ld_dn = 0, ld_t = 0, c2p = 0;  // c2p: 2C padded to a tile
+  std::uint16_t* dn[2] = {nullptr, nullptr};
+  std::uint16_t* dnt[2] = {nullptr, nullptr};
+  std::uint16_t* xb = nullptr;  // [R padded to a tile, H]: the chunk's x rows, rows without gradient zeroed
+  void* packed_wkv = nullptr;   // wkv, wgate as the d_x product's B [C, H], where it wants them packed
+  void* packed_wgate = nullptr;
+  void* packed_x = nullptr;  // xb as the weight-gradient product's B, likewise
+  std::size_t packed_x_bytes = 0;
   std::size_t size;
 
-  BackwardBuffers(const Dims& d, void* base) {
+  // d_x += dn[:, part] . w: [n, C] . [C, H].
+  Bf16Shape dx_shape(const Dims& d) const { return {d.H, d.C, ld_dn, ld_h, d.H, false}; }
+  // [d_wkv ; d_wgate] += dnt . x: [2C, k] . [k, H], k the chunk's rows padded to a tile.
+  Bf16Shape dw_shape(const Dims& d, std::int64_t k) const { return {d.H, k, ld_t, ld_h, d.H, false}; }
+
+  BackwardBuffers(const Dims& d, Precision precision, void* base) {
     WorkspaceLayout ws(base);
     R = std::min(kChunkRows, std::max<std::int64_t>(d.T, 1));
-    // dnew and dxf hold the rows of the d_x product padded for row stability (gemm.hpp).
-    const std::int64_t Rp = gemm_row_capacity(R);
+    // dnew and dxf hold the rows of the d_x product padded for row stability (gemm.hpp, gemm_bf16.hpp).
+    const std::int64_t Rp = std::max(gemm_row_capacity(R), bf16_padded_rows(R));
     ld_h = padded_ld(d.H);
     ld_c2 = padded_ld(2 * d.C);
     ld_r = padded_ld(R);
-    wcat = ws.take<float>(2 * d.C * ld_h);
-    dwcat = ws.take<float>(2 * d.C * ld_h);
-    xf = ws.take<float>(R * ld_h);
+    if (d.io == DType::bf16 && bf16_product_kernel() &&
+        (precision == Precision::npu_parity || bf16_split_products())) {
+      ld_dn = padded_ld(2 * d.C);
+      ld_t = padded_ld(bf16_padded_rows(R));
+      c2p = bf16_padded_rows(2 * d.C);
+      const Bf16Plan w = bf16_plan(dx_shape(d)), x = bf16_plan(dw_shape(d, bf16_padded_rows(R)));
+      packed_x_bytes = x.packed_bytes;
+      bf16 = true;
+      ok = w.ok && x.ok;  // oneDNN could not make the products (out of memory)
+      {
+        if (w.packed_bytes > 0) {
+          packed_wkv = ws.take<unsigned char>(static_cast<std::int64_t>(w.packed_bytes));
+          packed_wgate = ws.take<unsigned char>(static_cast<std::int64_t>(w.packed_bytes));
+        }
+        if (packed_x_bytes > 0) packed_x = ws.take<unsigned char>(static_cast<std::int64_t>(packed_x_bytes));
+        for (int part = 0; part < 2; ++part) {
+          dn[part] = ws.take<std::uint16_t>(Rp * ld_dn);
+          dnt[part] = ws.take<std::uint16_t>(c2p * ld_t);
+        }
+        xb = ws.take<std::uint16_t>(bf16_padded_rows(R) * d.H);
+      }
+    }
+    if (!bf16) {
+      wcat = ws.take<float>(2 * d.C * ld_h);
+      xf = ws.take<float>(R * ld_h);
+      dnew_t = ws.take<float>(2 * d.C * ld_r);
+    }
+    dwcat = ws.take<float>((bf16 ? c2p : 2 * d.C) * ld_h);
     dnew = ws.take<float>(Rp * ld_c2);
-    dnew_t = ws.take<float>(2 * d.C * ld_r);
     dxf = ws.take<float>(Rp * ld_h);
     dape = ws.take<double>(d.r * d.C);
     size = ws.size();
   }
 };
+
+// The bf16 operands of the backward's products from the fp32 d_new rows [0, rows) (rows a
+// multiple of a tile, zero past the chunk's own): hi = bf16(d_new) and, when lo is given,
+// lo = bf16(d_new - hi) (zero where hi is not finite), as [rows, 2C] row-major and transposed
+// [2C, k] (columns k >= rows zero, rows 2C..c2p zero). In npu_parity d_new is already bf16 (spec
+// 6.1 step 7), so hi is exact and lo is not needed.
+void split_to_bf16(const float* dnew, std::int64_t ld, std::int64_t rows, std::int64_t c2, std::int64_t k,
+                   std::uint16_t* const dn[2], std::int64_t ld_dn, std::uint16_t* const dnt[2],
+                   std::int64_t c2p, std::int64_t ld_t, bool with_lo, int num_threads) {
+  constexpr std::int64_t kBlock = 32;
+  const int parts = with_lo ? 2 : 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (std::int64_t c0 = 0; c0 < c2p; c0 += kBlock) {
+    for (std::int64_t r0 = 0; r0 < k; r0 += kBlock)
+      for (std::int64_t c = c0; c < std::min(c2p, c0 + kBlock); ++c)
+        for (std::int64_t i = r0; i < std::min(k, r0 + kBlock); ++i) {
+          const float v = c < c2 && i < rows ? dnew[i * ld + c] : 0.0f;
+          const std::uint16_t hi = float_to_bf16(v);
+          const float h = bf16_to_float(hi);
+          const std::uint16_t lo = std::isfinite(h) ? float_to_bf16(v - h) : std::uint16_t{0};
+          dnt[0][c * ld_t + i] = hi;
+          if (parts == 2) dnt[1][c * ld_t + i] = lo;
+          if (c < c2 && i < rows) {
+            dn[0][i * ld_dn + c] = hi;
+            if (parts == 2) dn[1][i * ld_dn + c] = lo;
+          }
+        }
+  }
+}
 
 // dst[c, i] = src[i, c]; cache-blocked, parallel over column blocks. A pure
 // copy: no rounding, so the thread count cannot matter.
@@ -73,12 +147,12 @@ void zero_bytes(void* p, std::int64_t elements, std::size_t elem_size) {
 
 }  // namespace
 
-std::size_t backward_workspace_size(const Dims& d, int /*num_threads*/) {
-  return BackwardBuffers(d, nullptr).size;
+std::size_t backward_workspace_size(const Dims& d, const Options& options, int /*num_threads*/) {
+  return BackwardBuffers(d, options.precision, nullptr).size;
 }
 
 Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision precision, int num_threads,
-                    void* workspace) {
+                    void* workspace, std::size_t workspace_size) {
   const Dims& d = plan.dims;
   const std::int64_t H = d.H, C = d.C;
   const std::size_t io_size = dtype_size(d.io);
@@ -91,9 +165,19 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
     return Status::success();
   }
 
-  BackwardBuffers buf(d, WorkspaceLayout::align(workspace));
-  rows_to_f32(args.wkv.data, d.io, C, H, buf.wcat, buf.ld_h, num_threads);
-  rows_to_f32(args.wgate.data, d.io, C, H, buf.wcat + C * buf.ld_h, buf.ld_h, num_threads);
+  BackwardBuffers buf(d, precision, WorkspaceLayout::align(workspace));
+  if (!buf.ok || buf.size > workspace_size)
+    return {StatusCode::runtime_error, "[kvcomp] oneDNN could not create the bf16 products of the backward"};
+  if (buf.bf16) {
+    const Bf16Shape shape = buf.dx_shape(d);
+    const Bf16PackJob jobs[] = {{static_cast<const std::uint16_t*>(args.wkv.data), buf.packed_wkv},
+                                {static_cast<const std::uint16_t*>(args.wgate.data), buf.packed_wgate}};
+    if (!bf16_pack_b(shape, jobs, 2, num_threads))
+      return {StatusCode::runtime_error, "[kvcomp] oneDNN reorder of the bf16 weights failed"};
+  } else {
+    rows_to_f32(args.wkv.data, d.io, C, H, buf.wcat, buf.ld_h, num_threads);
+    rows_to_f32(args.wgate.data, d.io, C, H, buf.wcat + C * buf.ld_h, buf.ld_h, num_threads);
+  }
   std::fill(buf.dape, buf.dape + d.r * C, 0.0);
 
   const BackwardBlockInputs in{args.d_cmp_kv.data, static_cast<const float*>(args.softmax_score.data),
@@ -112,7 +196,7 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
       continue;
     }
     // Zeroed up to the padded row count of the d_x product (its padding rows stay zero).
-    const std::int64_t n_pad = gemm_padded_rows(n, false);
+    const std::int64_t n_pad = buf.bf16 ? bf16_padded_rows(n) : gemm_padded_rows(n, false);
     for (std::int64_t i = 0; i < n_pad; ++i)
       std::fill(buf.dnew + i * buf.ld_c2, buf.dnew + i * buf.ld_c2 + 2 * C, 0.0f);
     backward_blocks(plan, in, a, b, buf.dnew, buf.ld_c2, buf.dape, parity, num_threads);
@@ -121,24 +205,60 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
     // leak into d_wkv / d_wgate (the NPU kernel does the same).
     const auto* x_rows =
         static_cast<const unsigned char*>(args.x.data) + static_cast<std::size_t>(a * H) * io_size;
+    if (buf.bf16) {
+      const auto* xs = static_cast<const std::uint16_t*>(static_cast<const void*>(x_rows));
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (std::int64_t i = 0; i < n; ++i) {
-      float* dst = buf.xf + i * buf.ld_h;
-      if (mark[static_cast<std::size_t>(i)])
-        to_f32(x_rows + static_cast<std::size_t>(i * H) * io_size, d.io, dst, H);
-      else
-        std::fill(dst, dst + H, 0.0f);
+      for (std::int64_t i = 0; i < n_pad; ++i) {
+        std::uint16_t* dst = buf.xb + i * H;
+        if (i < n && mark[static_cast<std::size_t>(i)])
+          std::memcpy(dst, xs + i * H, static_cast<std::size_t>(H) * sizeof(std::uint16_t));
+        else
+          std::fill(dst, dst + H, std::uint16_t{0});
+      }
+      const Bf16Shape dw = buf.dw_shape(d, n_pad);
+      const Bf16Plan dw_plan = bf16_plan(dw);
+      if (!dw_plan.ok || dw_plan.packed_bytes > buf.packed_x_bytes)
+        return {StatusCode::runtime_error,
+                "[kvcomp] oneDNN could not make the bf16 product of a short chunk"};
+      const Bf16PackJob job{buf.xb, buf.packed_x};
+      if (!bf16_pack_b(dw, &job, 1, num_threads))
+        return {StatusCode::runtime_error, "[kvcomp] oneDNN reorder of x failed"};
+      // hi (and lo in precise mode) of d_new, row-major and transposed.
+      const int parts = parity ? 1 : 2;
+      split_to_bf16(buf.dnew, buf.ld_c2, n_pad, 2 * C, n_pad, buf.dn, buf.ld_dn, buf.dnt, buf.c2p, buf.ld_t,
+                    parts == 2, num_threads);
+      // d_x rows = sum over parts of dn_kv . wkv + dn_score . wgate, in that order.
+      const Bf16Shape dx = buf.dx_shape(d);
+      const void* b_wkv = buf.packed_wkv ? buf.packed_wkv : args.wkv.data;
+      const void* b_wgate = buf.packed_wgate ? buf.packed_wgate : args.wgate.data;
+      for (int part = 0; part < parts; ++part)
+        if (!gemm_bf16(dx, n_pad, buf.dn[part], b_wkv, buf.dxf, part > 0, num_threads) ||
+            !gemm_bf16(dx, n_pad, buf.dn[part] + C, b_wgate, buf.dxf, true, num_threads))
+          return {StatusCode::runtime_error, "[kvcomp] oneDNN bf16 matmul for d_x failed"};
+      // [d_wkv ; d_wgate] += dnt . x, hi then lo.
+      for (int part = 0; part < parts; ++part)
+        if (!gemm_bf16(dw, buf.c2p, buf.dnt[part], buf.packed_x ? buf.packed_x : buf.xb, buf.dwcat,
+                       dw_written || part > 0, num_threads))
+          return {StatusCode::runtime_error, "[kvcomp] oneDNN bf16 matmul for d_wkv/d_wgate failed"};
+    } else {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+      for (std::int64_t i = 0; i < n; ++i) {
+        float* dst = buf.xf + i * buf.ld_h;
+        if (mark[static_cast<std::size_t>(i)])
+          to_f32(x_rows + static_cast<std::size_t>(i * H) * io_size, d.io, dst, H);
+        else
+          std::fill(dst, dst + H, 0.0f);
+      }
+      // d_x rows = [d_new_kv | d_new_score] . [wkv ; wgate]
+      if (!gemm_f32(n_pad, H, 2 * C, {buf.dnew, buf.ld_c2, false}, {buf.wcat, buf.ld_h, false}, buf.dxf,
+                    buf.ld_h, false, num_threads))
+        return {StatusCode::runtime_error, "[kvcomp] oneDNN matmul for d_x failed"};
+      // [d_wkv ; d_wgate] += [d_new_kv | d_new_score]^T . x
+      transpose(buf.dnew, n, 2 * C, buf.ld_c2, buf.dnew_t, buf.ld_r, num_threads);
+      if (!gemm_f32(2 * C, H, n, {buf.dnew_t, buf.ld_r, false}, {buf.xf, buf.ld_h, false}, buf.dwcat,
+                    buf.ld_h, dw_written, num_threads))
+        return {StatusCode::runtime_error, "[kvcomp] oneDNN matmul for d_wkv/d_wgate failed"};
     }
-
-    // d_x rows = [d_new_kv | d_new_score] . [wkv ; wgate]
-    if (!gemm_f32(n_pad, H, 2 * C, {buf.dnew, buf.ld_c2, false}, {buf.wcat, buf.ld_h, false}, buf.dxf, buf.ld_h,
-                  false, num_threads))
-      return {StatusCode::runtime_error, "[kvcomp] oneDNN matmul for d_x failed"};
-    // [d_wkv ; d_wgate] += [d_new_kv | d_new_score]^T . x
-    transpose(buf.dnew, n, 2 * C, buf.ld_c2, buf.dnew_t, buf.ld_r, num_threads);
-    if (!gemm_f32(2 * C, H, n, {buf.dnew_t, buf.ld_r, false}, {buf.xf, buf.ld_h, false}, buf.dwcat, buf.ld_h,
-                  dw_written, num_threads))
-      return {StatusCode::runtime_error, "[kvcomp] oneDNN matmul for d_wkv/d_wgate failed"};
     dw_written = true;
 
 #pragma omp parallel for num_threads(num_threads) schedule(static)

@@ -1,8 +1,8 @@
 #include <algorithm>
 #include <cstring>
 
-#include "cpu/block_phases.hpp"
 #include "cpu/backend.hpp"
+#include "cpu/block_phases.hpp"
 #include "cpu/convert.hpp"
 #include "cpu/gemm.hpp"
 #include "cpu/gemm_bf16.hpp"
@@ -13,29 +13,37 @@ namespace {
 
 struct ForwardBuffers {
   std::int64_t ld_h, ld_c2;  // padded leading dimensions
-  float* wcat = nullptr;  // [2C, ld_h]: wkv rows then wgate rows, fp32 (fp32 products only)
-  float* xf = nullptr;    // [Rp, ld_h]: the chunk's x rows in fp32, zero rows up to the GEMM's padded M
+  float* wcat = nullptr;     // [2C, ld_h]: wkv rows then wgate rows, fp32 (fp32 products only)
+  float* xf = nullptr;       // [Rp, ld_h]: the chunk's x rows in fp32, zero rows up to the GEMM's padded M
   float* proj;    // [coff*r + Rp, ld_c2]: projections (kv | score+ape) of the chunk and the rows before it
   void* scratch;  // forward_scratch_bytes(d) for each thread of forward_blocks
   // bf16 products (gemm_bf16.hpp), when x is bf16 and the CPU has bf16 units:
   bool bf16 = false;
-  void* packed_kv = nullptr;  // wkv and wgate packed for the primitive
+  bool ok = true;
+  void* packed_kv = nullptr;  // wkv and wgate packed for the primitive (where it wants them packed)
   void* packed_gate = nullptr;
   std::uint16_t* xb = nullptr;  // [Rp, H] the chunk's x rows, zero rows up to a whole tile
   std::size_t size;
+
+  // The two projection products on the bf16 units: [n, H] . [H, C] into a column half of proj.
+  Bf16Shape bf16_shape(const Dims& d) const { return {d.C, d.H, d.H, ld_c2, d.H, true}; }
 
   ForwardBuffers(const Dims& d, int num_threads, void* base) {
     WorkspaceLayout ws(base);
     // Rp: the chunk's rows padded for a row-stable product (gemm.hpp, gemm_bf16.hpp).
     const std::int64_t R = std::min(kChunkRows, std::max<std::int64_t>(d.T, 1));
-    const std::int64_t Rp = std::max(gemm_row_capacity(R), (R + kBf16TileRows - 1) / kBf16TileRows * kBf16TileRows);
+    const std::int64_t Rp = std::max(gemm_row_capacity(R), bf16_padded_rows(R));
     ld_h = padded_ld(d.H);
     ld_c2 = padded_ld(2 * d.C);
-    const std::size_t packed = d.io == DType::bf16 ? bf16_packed_weight_bytes(d.C, d.H, d.H, ld_c2) : 0;
-    bf16 = packed > 0;
-    if (bf16) {  // the bf16 products read x and the packed weights: no fp32 copies
-      packed_kv = ws.take<unsigned char>(static_cast<std::int64_t>(packed));
-      packed_gate = ws.take<unsigned char>(static_cast<std::int64_t>(packed));
+    bf16 = d.io == DType::bf16 && bf16_product_kernel();
+    const Bf16Plan p = bf16 ? bf16_plan(bf16_shape(d)) : Bf16Plan{};
+    const std::size_t packed = p.packed_bytes;
+    ok = !bf16 || p.ok;  // oneDNN could not make the product (out of memory): the call fails
+    if (bf16) {          // the bf16 products read x and the (packed) weights: no fp32 copies
+      if (packed > 0) {
+        packed_kv = ws.take<unsigned char>(static_cast<std::int64_t>(packed));
+        packed_gate = ws.take<unsigned char>(static_cast<std::int64_t>(packed));
+      }
       xb = ws.take<std::uint16_t>(Rp * d.H);
     } else {
       wcat = ws.take<float>(2 * d.C * ld_h);
@@ -72,21 +80,24 @@ void zero_padding_rows(const ForwardArgs& args, const BlockPlan& plan) {
 
 }  // namespace
 
-std::size_t forward_workspace_size(const Dims& d, int num_threads) {
+std::size_t forward_workspace_size(const Dims& d, const Options& /*options*/, int num_threads) {
   return ForwardBuffers(d, num_threads, nullptr).size;
 }
 
-Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threads, void* workspace) {
+Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threads, void* workspace,
+                   std::size_t workspace_size) {
   const Dims& d = plan.dims;
   if (d.T == 0) return Status::success();  // empty input: nothing computed, cache untouched
   const std::int64_t H = d.H, C = d.C;
   ForwardBuffers buf(d, num_threads, WorkspaceLayout::align(workspace));
+  if (!buf.ok || buf.size > workspace_size)
+    return {StatusCode::runtime_error, "[kvcomp] oneDNN could not create the bf16 projection product"};
   const std::size_t io_size = dtype_size(d.io);
   if (buf.bf16) {
-    if (!bf16_pack_weights(C, H, H, buf.ld_c2, static_cast<const std::uint16_t*>(args.wkv.data), H,
-                           buf.packed_kv) ||
-        !bf16_pack_weights(C, H, H, buf.ld_c2, static_cast<const std::uint16_t*>(args.wgate.data), H,
-                           buf.packed_gate))
+    const Bf16Shape shape = buf.bf16_shape(d);
+    const Bf16PackJob jobs[] = {{static_cast<const std::uint16_t*>(args.wkv.data), buf.packed_kv},
+                                {static_cast<const std::uint16_t*>(args.wgate.data), buf.packed_gate}};
+    if (!bf16_pack_b(shape, jobs, 2, num_threads))
       return {StatusCode::runtime_error, "[kvcomp] oneDNN reorder of the bf16 weights failed"};
   } else {
     rows_to_f32(args.wkv.data, d.io, C, H, buf.wcat, buf.ld_h, num_threads);
@@ -117,22 +128,27 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
                    static_cast<std::size_t>((a - first) * buf.ld_c2) * sizeof(float));
     prev_first = first;
     float* rows = buf.proj + (a - first) * buf.ld_c2;
-    const auto* x_rows = static_cast<const unsigned char*>(args.x.data) + static_cast<std::size_t>(a * H) * io_size;
+    const auto* x_rows =
+        static_cast<const unsigned char*>(args.x.data) + static_cast<std::size_t>(a * H) * io_size;
     if (buf.bf16) {
       // [new_kv | new_score] = x . [wkv ; wgate]^T on the bf16 units: the chunk's rows in whole
       // tiles (zero rows after them), two products into the two column halves.
-      const std::int64_t n_pad = (n + kBf16TileRows - 1) / kBf16TileRows * kBf16TileRows;
+      const std::int64_t n_pad = bf16_padded_rows(n);
       std::memcpy(buf.xb, x_rows, static_cast<std::size_t>(n * H) * sizeof(std::uint16_t));
       std::memset(buf.xb + n * H, 0, static_cast<std::size_t>((n_pad - n) * H) * sizeof(std::uint16_t));
-      if (!gemm_bf16_nt(n_pad, C, H, buf.xb, H, buf.packed_kv, rows, buf.ld_c2, num_threads) ||
-          !gemm_bf16_nt(n_pad, C, H, buf.xb, H, buf.packed_gate, rows + C, buf.ld_c2, num_threads))
+      const Bf16Shape shape = buf.bf16_shape(d);
+      const void* b_kv = buf.packed_kv ? buf.packed_kv : args.wkv.data;
+      const void* b_gate = buf.packed_gate ? buf.packed_gate : args.wgate.data;
+      if (!gemm_bf16(shape, n_pad, buf.xb, b_kv, rows, false, num_threads) ||
+          !gemm_bf16(shape, n_pad, buf.xb, b_gate, rows + C, false, num_threads))
         return {StatusCode::runtime_error, "[kvcomp] oneDNN bf16 matmul for the projections failed"};
     } else {
       rows_to_f32(x_rows, d.io, n, H, buf.xf, buf.ld_h, num_threads);
       // Zero rows up to the padded M, so each token's projection is computed
       // alike whatever the chunk's row count (gemm.hpp, row stability).
       const std::int64_t n_pad = gemm_padded_rows(n, true);
-      for (std::int64_t i = n; i < n_pad; ++i) std::fill(buf.xf + i * buf.ld_h, buf.xf + i * buf.ld_h + H, 0.0f);
+      for (std::int64_t i = n; i < n_pad; ++i)
+        std::fill(buf.xf + i * buf.ld_h, buf.xf + i * buf.ld_h + H, 0.0f);
       // [new_kv | new_score] = x . [wkv ; wgate]^T
       if (!gemm_f32(n_pad, 2 * C, H, {buf.xf, buf.ld_h, false}, {buf.wcat, buf.ld_h, true}, rows, buf.ld_c2,
                     false, num_threads))

@@ -28,29 +28,56 @@ dnnl::engine& engine() {
   return e;
 }
 
-// One tile's primitive: A [rows, K] bf16 with row stride lda, packed B, C
-// [rows, N] fp32 with row stride ldc. Cached for the process: a call uses one
-// shape, and creating a primitive costs a JIT compilation.
+// One tile's primitive: A [kBf16TileRows, K] bf16 with row stride lda, B,
+// C [kBf16TileRows, N] fp32 with row stride ldc, plus the sum post-op when it
+// accumulates. B is read where it lies (in_place) when the layout oneDNN
+// would pick for it is a plain one anyway (AVX512-BF16: its gemm packs B
+// itself), else from the packed copy in that layout (AMX: a blocked layout).
+// Cached for the process: a call uses a few shapes, and creating a
+// primitive costs a JIT compilation.
 struct TilePrimitive {
   dnnl::matmul::primitive_desc pd;
   dnnl::matmul prim;
+  bool in_place = false;
 };
 
-using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t>;  // N, K, lda, ldc
+// N, K, lda, ldc, ldb, b_transposed, sum
+using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t, bool, bool>;
 
-TilePrimitive* tile_primitive(std::int64_t N, std::int64_t K, std::int64_t lda, std::int64_t ldc) {
-  static std::mutex mu;
+dnnl::memory::desc plain_b(const Bf16Shape& s) {
+  return {{s.K, s.N}, dt::bf16, s.b_transposed ? dims{1, s.ldb} : dims{s.ldb, 1}};
+}
+
+TilePrimitive* tile_primitive(const Bf16Shape& s, bool accumulate) {
+  static std::recursive_mutex mu;
   static std::map<Key, std::unique_ptr<TilePrimitive>> cache;
-  const std::lock_guard<std::mutex> lock(mu);
-  auto& slot = cache[Key{N, K, lda, ldc}];
+  const std::lock_guard<std::recursive_mutex> lock(mu);
+  auto& slot = cache[Key{s.N, s.K, s.lda, s.ldc, s.ldb, s.b_transposed, accumulate}];
   if (!slot) {
-    const dnnl::memory::desc a({kBf16TileRows, K}, dt::bf16, dims{lda, 1});
-    const dnnl::memory::desc b({K, N}, dt::bf16, dnnl::memory::format_tag::any);
-    const dnnl::memory::desc c({kBf16TileRows, N}, dt::f32, dims{ldc, 1});
+    const dnnl::memory::desc a({kBf16TileRows, s.K}, dt::bf16, dims{s.lda, 1});
+    const dnnl::memory::desc c({kBf16TileRows, s.N}, dt::f32, dims{s.ldc, 1});
     dnnl::primitive_attr attr;
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
-    auto pd = dnnl::matmul::primitive_desc(dnnl::matmul::desc(a, b, c), attr, engine());
-    slot = std::make_unique<TilePrimitive>(TilePrimitive{pd, dnnl::matmul(pd)});
+    if (accumulate) {
+      dnnl::post_ops ops;
+      ops.append_sum(1.0f);
+      attr.set_post_ops(ops);
+    }
+    auto make = [&](const dnnl::memory::desc& b) {
+      return dnnl::matmul::primitive_desc(dnnl::matmul::desc(a, b, c), attr, engine());
+    };
+    bool in_place = false;
+    if (accumulate) {  // B as the plain primitive reads it (the caller packed it for that one)
+      in_place = tile_primitive(s, false)->in_place;
+    } else {
+      const auto w =
+          make(dnnl::memory::desc({s.K, s.N}, dt::bf16, dnnl::memory::format_tag::any)).weights_desc();
+      in_place = w == dnnl::memory::desc({s.K, s.N}, dt::bf16, dnnl::memory::format_tag::ab) ||
+                 w == dnnl::memory::desc({s.K, s.N}, dt::bf16, dnnl::memory::format_tag::ba);
+    }
+    const auto pd =
+        make(in_place ? plain_b(s) : dnnl::memory::desc({s.K, s.N}, dt::bf16, dnnl::memory::format_tag::any));
+    slot = std::make_unique<TilePrimitive>(TilePrimitive{pd, dnnl::matmul(pd), in_place});
   }
   return slot.get();
 }
@@ -60,20 +87,29 @@ bool is_matrix_unit_kernel(const std::string& impl) {
          (impl.find("amx") != std::string::npos || impl.find("avx512_core_bf16") != std::string::npos);
 }
 
-// Opt-in for now (KVCOMP_PRODUCTS=bf16): on AMX the kv intermediate of a tiny
-// case (H = 24) missed the fp32-projection bound against the sequential fp32
-// golden (MERE ratio 2.17 > 2, tests/core th_empty_segments), so the default
-// stays fp32 until that accumulation is understood (docs/performance.md).
+// KVCOMP_PRODUCTS, read once per process: auto (unset or empty), bf16 or f32.
+enum class Choice { automatic, bf16, f32 };
+
+Choice choice() {
+  static const Choice c = [] {
+    const char* v = std::getenv("KVCOMP_PRODUCTS");
+    if (!v || !*v || std::strcmp(v, "auto") == 0) return Choice::automatic;
+    if (std::strcmp(v, "bf16") == 0) return Choice::bf16;
+    if (std::strcmp(v, "f32") == 0) return Choice::f32;
+    std::fprintf(stderr, "[kvcomp] KVCOMP_PRODUCTS (= %s) must be auto, bf16 or f32; ignored\n", v);
+    return Choice::automatic;
+  }();
+  return c;
+}
+
+// On where the CPU has bf16 units, unless KVCOMP_PRODUCTS=f32 or KVCOMP_ISA
+// caps the kernels below avx512 (so that one machine tests both paths).
 std::string choose_kernel() {
-  const char* force = std::getenv("KVCOMP_PRODUCTS");
-  if (!force || !*force || std::strcmp(force, "f32") == 0) return {};
-  if (std::strcmp(force, "bf16") != 0) {
-    std::fprintf(stderr, "[kvcomp] KVCOMP_PRODUCTS (= %s) must be f32 or bf16; ignored\n", force);
-    return {};
-  }
-  if (active_isa() != Isa::avx512) return {};  // KVCOMP_ISA caps the products too
+  if (choice() == Choice::f32) return {};
+  if (active_isa() != Isa::avx512) return {};
   try {
-    const std::string impl = tile_primitive(256, 256, 256, 256)->pd.impl_info_str();
+    const std::string impl =
+        tile_primitive(Bf16Shape{256, 256, 256, 256, 256, false}, false)->pd.impl_info_str();
     return is_matrix_unit_kernel(impl) ? impl : std::string{};
   } catch (const std::exception&) {  // dnnl::error, std::bad_alloc: fp32 products
     return {};
@@ -89,44 +125,68 @@ const std::string& kernel_name() {
 
 const char* bf16_product_kernel() { return kernel_name().empty() ? nullptr : kernel_name().c_str(); }
 
+bool bf16_split_products() {
+  if (!bf16_product_kernel()) return false;
+  return choice() == Choice::bf16 || kernel_name().find("amx") != std::string::npos;
+}
+
 const char* product_kernels() {
-  static const std::string s =
-      kernel_name().empty() ? std::string("f32 (dnnl_sgemm)") : "bf16 (" + kernel_name() + ") + f32 (dnnl_sgemm)";
+  static const std::string s = kernel_name().empty()
+                                   ? std::string("f32 (dnnl_sgemm)")
+                                   : "bf16 (" + kernel_name() +
+                                         (bf16_split_products() ? ", precise as hi+lo" : ", precise in f32") +
+                                         ") + f32 (dnnl_sgemm)";
   return s.c_str();
 }
 
-std::size_t bf16_packed_weight_bytes(std::int64_t N, std::int64_t K, std::int64_t lda, std::int64_t ldc) {
-  if (!bf16_product_kernel()) return 0;
+Bf16Plan bf16_plan(const Bf16Shape& s) {
+  if (!bf16_product_kernel()) return {};
   try {
-    const auto* t = tile_primitive(N, K, lda, ldc);
-    return t->pd.weights_desc().get_size();
+    const TilePrimitive* t = tile_primitive(s, false);
+    return {true, t->in_place ? 0 : t->pd.weights_desc().get_size()};
   } catch (const std::exception&) {
-    return 0;
+    return {};
   }
 }
 
-bool bf16_pack_weights(std::int64_t N, std::int64_t K, std::int64_t lda, std::int64_t ldc, const std::uint16_t* b,
-                       std::int64_t ldb, void* packed) {
+bool bf16_pack_b(const Bf16Shape& s, const Bf16PackJob* jobs, int count, int num_threads) {
+  if (count <= 0) return true;
+  const TilePrimitive* t = nullptr;
   try {
-    const auto* t = tile_primitive(N, K, lda, ldc);
-    const dnnl::memory::desc plain({K, N}, dt::bf16, dims{1, ldb});
-    dnnl::memory src(plain, engine(), const_cast<std::uint16_t*>(b));
-    dnnl::memory dst(t->pd.weights_desc(), engine(), packed);
-    dnnl::stream s(engine());
-    dnnl::reorder(src, dst).execute(s, src, dst);
-    s.wait();
-    return true;
+    t = tile_primitive(s, false);
   } catch (const std::exception&) {
     return false;
   }
+  if (t->in_place) return true;  // the products read B where it lies
+  std::atomic<bool> ok{true};
+#pragma omp parallel num_threads(std::max(1, std::min(num_threads, count)))
+  {
+    omp_set_num_threads(1);  // this implicit task's limit only: the reorder runs on this thread
+    try {
+      dnnl::stream st(engine());
+      for (int j = omp_get_thread_num(); j < count; j += omp_get_num_threads()) {
+        dnnl::memory src(plain_b(s), engine(), const_cast<std::uint16_t*>(jobs[j].b));
+        dnnl::memory dst(t->pd.weights_desc(), engine(), jobs[j].packed);
+        dnnl::reorder(src, dst).execute(st, src, dst);
+      }
+      st.wait();
+    } catch (
+        const std::exception&) {  // dnnl::error, std::bad_alloc: reported, never thrown out of the region
+      ok = false;
+    }
+  }
+  return ok;
 }
 
-bool gemm_bf16_nt(std::int64_t M, std::int64_t N, std::int64_t K, const std::uint16_t* a, std::int64_t lda,
-                  const void* packed_b, float* c, std::int64_t ldc, int num_threads) {
-  if (M <= 0 || N <= 0) return true;
+bool gemm_bf16(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a, const void* b, float* c,
+               bool accumulate, int num_threads) {
+  if (M <= 0 || s.N <= 0) return true;
+  if (M % kBf16TileRows != 0) return false;
   TilePrimitive* t = nullptr;
   try {
-    t = tile_primitive(N, K, lda, ldc);
+    t = tile_primitive(s, accumulate);
+    // B was packed for the plain primitive: the sum post-op must not change its layout.
+    if (accumulate && t->pd.weights_desc() != tile_primitive(s, false)->pd.weights_desc()) return false;
   } catch (const std::exception&) {
     return false;
   }
@@ -139,19 +199,21 @@ bool gemm_bf16_nt(std::int64_t M, std::int64_t N, std::int64_t K, const std::uin
   {
     omp_set_num_threads(1);  // this implicit task's limit only: oneDNN runs the tile on this thread
     try {
-      dnnl::stream s(engine());
+      dnnl::stream st(engine());
       // The primitive's own work memory, per thread (scratchpad_mode::user: nothing shared).
       std::unique_ptr<unsigned char[]> scratch(scratch_bytes ? new unsigned char[scratch_bytes] : nullptr);
       dnnl::memory sp(t->pd.scratchpad_desc(), engine(), scratch.get());
-      dnnl::memory wm(t->pd.weights_desc(), engine(), const_cast<void*>(packed_b));
+      dnnl::memory wm(t->pd.weights_desc(), engine(), const_cast<void*>(b));
       for (std::int64_t tile = omp_get_thread_num(); tile < tiles; tile += omp_get_num_threads()) {
-        dnnl::memory am(t->pd.src_desc(), engine(), const_cast<std::uint16_t*>(a + tile * kBf16TileRows * lda));
-        dnnl::memory cm(t->pd.dst_desc(), engine(), c + tile * kBf16TileRows * ldc);
-        t->prim.execute(s, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, wm}, {DNNL_ARG_DST, cm},
-                            {DNNL_ARG_SCRATCHPAD, sp}});
+        dnnl::memory am(t->pd.src_desc(), engine(),
+                        const_cast<std::uint16_t*>(a + tile * kBf16TileRows * s.lda));
+        dnnl::memory cm(t->pd.dst_desc(), engine(), c + tile * kBf16TileRows * s.ldc);
+        t->prim.execute(
+            st, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, wm}, {DNNL_ARG_DST, cm}, {DNNL_ARG_SCRATCHPAD, sp}});
       }
-      s.wait();
-    } catch (const std::exception&) {  // dnnl::error, std::bad_alloc: reported, never thrown out of the region
+      st.wait();
+    } catch (
+        const std::exception&) {  // dnnl::error, std::bad_alloc: reported, never thrown out of the region
       ok = false;
     }
   }

@@ -1,17 +1,26 @@
 // Products on bf16 operands with fp32 accumulation, on the CPU's bf16 units
 // (AMX-BF16, AVX512-BF16) through oneDNN's matmul primitive.
 //
-// Used for the forward projections when x and the weights are bf16: the
-// products of two bf16 numbers are exact in fp32, so only the order of the
-// fp32 additions differs from the fp32 path, and both precision modes take it.
+// Where they run (bf16 io only; fp16 and fp32 calls keep fp32 products):
+// - forward projections, both precision modes: x, wkv and wgate are bf16,
+//   the product of two bf16 numbers is exact in fp32, so only the order of
+//   the fp32 additions differs from the fp32 path;
+// - backward, npu_parity: d_new is already rounded to bf16 (spec 6.1), so
+//   d_x and the weight gradients are one bf16 product each, the NPU's own
+//   arithmetic;
+// - backward, precise: d_new is split into a high and a low bf16 part
+//   (d_new = hi + lo to about 2^-17 relative), two products accumulated in
+//   fp32.
 //
 // Determinism and row stability as gemm.hpp: the output is cut into tiles of
 // fixed shape (every M tile has kBf16TileRows rows, the last one padded with
 // zero rows by the caller, N is whole), each tile one single-threaded
-// primitive execution over the whole K, OpenMP spreading the tiles; so an
-// element's sum order depends on nothing but K and the tile shape.
+// primitive execution over the whole K, OpenMP dealing the tiles; so an
+// element's sum order depends on nothing but K and the tile shape, never on
+// the thread count or on the other rows of the call.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace kvcomp::detail {
@@ -20,30 +29,70 @@ namespace kvcomp::detail {
 // multiple of it keeps every primitive at one of a few shapes.
 constexpr std::int64_t kBf16TileRows = 64;
 
+inline std::int64_t bf16_padded_rows(std::int64_t rows) {
+  return (rows + kBf16TileRows - 1) / kBf16TileRows * kBf16TileRows;
+}
+
 // Which kernel oneDNN runs for bf16 matmuls on this machine, chosen once per
 // process: its implementation name when that is a bf16 matrix-unit kernel
 // (brg:avx512_core_amx_bf16, brg:avx512_core_bf16 ...), else nullptr (fp32
-// products everywhere). Opt-in for now: KVCOMP_PRODUCTS=bf16 asks for them
-// (unset or f32: fp32); KVCOMP_ISA below avx512 keeps fp32.
+// products everywhere). On by default where the CPU has the units
+// (KVCOMP_PRODUCTS unset, empty or auto); KVCOMP_PRODUCTS=f32 in the
+// environment keeps every product fp32, and KVCOMP_ISA below avx512 does too
+// (one machine tests both paths).
 const char* bf16_product_kernel();
 
-// "bf16 (<oneDNN implementation>) + f32 (dnnl_sgemm)" or "f32 (dnnl_sgemm)".
+// Whether the precise backward runs its products as hi + lo bf16 parts (twice
+// the bf16 work) instead of fp32: where that is faster, i.e. on AMX (bf16 at
+// about 3x the fp32 rate); not on AVX512-BF16 (Zen 4: about 1.5x, so two
+// parts are slower than fp32; docs/performance.md). KVCOMP_PRODUCTS=bf16
+// asks for it wherever there are bf16 units.
+bool bf16_split_products();
+
+// What runs: "f32 (dnnl_sgemm)", or "bf16 (<oneDNN implementation>, precise
+// as hi+lo | precise in f32) + f32 (dnnl_sgemm)".
 const char* product_kernels();
 
-// Bytes of the packed form of an [N, K] bf16 weight matrix for
-// gemm_bf16_nt with these lda / ldc (0 when bf16 products are not available).
-std::size_t bf16_packed_weight_bytes(std::int64_t N, std::int64_t K, std::int64_t lda, std::int64_t ldc);
+// One product shape: C[M, N] (+)= A[M, K] . B[K, N], A bf16 row-major with
+// row stride lda, C fp32 row-major with row stride ldc, B bf16 as the caller
+// holds it: b[k * ldb + n], or, when b_transposed, stored [N, K]:
+// b[n * ldb + k] (a weight matrix as the operators take it).
+struct Bf16Shape {
+  std::int64_t N = 0, K = 0, lda = 0, ldc = 0, ldb = 0;
+  bool b_transposed = false;
+};
 
-// Packs the bf16 matrix B [N, K] (row stride ldb elements) for products
-// C = A . B^T with these lda / ldc, into `packed` (bf16_packed_weight_bytes
-// bytes). False if oneDNN failed.
-bool bf16_pack_weights(std::int64_t N, std::int64_t K, std::int64_t lda, std::int64_t ldc, const std::uint16_t* b,
-                       std::int64_t ldb, void* packed);
+// Whether oneDNN makes this product on the bf16 units (false: not available,
+// or it failed, e.g. out of memory), and the bytes of the packed copy of B
+// its kernel wants: 0 when it reads B where it lies (AVX512-BF16's gemm packs
+// B itself), else the size of the blocked layout (AMX) that bf16_pack_b
+// writes.
+struct Bf16Plan {
+  bool ok = false;
+  std::size_t packed_bytes = 0;
+};
+Bf16Plan bf16_plan(const Bf16Shape& s);
 
-// C[M, N] = A[M, K] . B^T with A bf16 (row stride lda), B packed by
-// bf16_pack_weights for the same lda / ldc, C fp32 (row stride ldc). M must be a multiple of
-// kBf16TileRows (the caller pads A with zero rows). False if oneDNN failed.
-bool gemm_bf16_nt(std::int64_t M, std::int64_t N, std::int64_t K, const std::uint16_t* a, std::int64_t lda,
-                  const void* packed_b, float* c, std::int64_t ldc, int num_threads);
+// One matrix B of a shape, and where its packed copy goes (packed_bytes of
+// bf16_plan; unused when that is 0).
+struct Bf16PackJob {
+  const std::uint16_t* b = nullptr;
+  void* packed = nullptr;
+};
+
+// Packs `count` matrices of one shape (nothing to do when packed_bytes is 0),
+// each by one oneDNN reorder (a copy: the result does not depend on the
+// threads) run single-threaded on one of up to num_threads threads: an
+// allocation that fails inside oneDNN then throws on our thread, where it is
+// caught, instead of inside an OpenMP region of oneDNN's (terminate). False
+// if oneDNN failed.
+bool bf16_pack_b(const Bf16Shape& s, const Bf16PackJob* jobs, int count, int num_threads);
+
+// C[M, N] = A . B, or C += A . B when accumulate; b is the packed copy, or B
+// itself when packed_bytes is 0. M must be a multiple of kBf16TileRows (the
+// caller pads A with zero rows and gives C room for them). False if oneDNN
+// failed.
+bool gemm_bf16(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a, const void* b, float* c,
+               bool accumulate, int num_threads);
 
 }  // namespace kvcomp::detail

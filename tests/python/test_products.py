@@ -1,10 +1,13 @@
-"""The CPU's matrix-product kernels (src/cpu/gemm_bf16.hpp): with KVCOMP_PRODUCTS=bf16 (opt-in for now)
-the forward projections of bf16 calls run on the bf16 dot-product units (AMX-BF16, AVX512-BF16) when the
-CPU has them, through oneDNN's matmul; kvcomp.product_kernels() names what runs; without the variable,
-with KVCOMP_PRODUCTS=f32 or KVCOMP_ISA below avx512 every product is fp32. The bf16 path is checked
-for determinism across thread counts, row stability and accuracy against the float64 truth (the
-fp32-projection bound, with the fp32 path as the golden); ctest also runs the torch-operator sweep
-with KVCOMP_PRODUCTS=bf16. Each setting needs its own process (the choice is made once)."""
+"""The CPU's matrix-product kernels (src/cpu/gemm_bf16.hpp). Where the CPU has bf16 dot-product units
+(AMX-BF16, AVX512-BF16) the products of bf16 calls run on them through oneDNN's matmul by default: the
+forward projections, the npu_parity backward (d_new is bf16 already), and the precise backward as hi + lo
+bf16 parts where that is faster than fp32 (AMX) or when KVCOMP_PRODUCTS=bf16 asks for it;
+KVCOMP_PRODUCTS=f32 or KVCOMP_ISA below avx512 keeps every product fp32. kvcomp.product_kernels() names
+what runs. Each path is checked for determinism across thread counts and, at a realistic H, against the
+float64 truth with the fp32 path's result or the fp32 golden as the B party; ctest also runs the
+torch-operator sweep, the row-stability checks and the functional suite with KVCOMP_PRODUCTS=f32 and =bf16.
+Each setting needs its own process (the choice is made once); without bf16 units the tests of the bf16
+path report themselves skipped."""
 
 import os
 import subprocess
@@ -36,7 +39,6 @@ def _child(code, **env):
     e = dict(os.environ)
     for k in ("KVCOMP_PRODUCTS", "KVCOMP_ISA"):
         e.pop(k, None)
-    e.setdefault("KVCOMP_PRODUCTS", "bf16")
     e.update(env)
     e["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(__file__), e.get("PYTHONPATH")]))
     out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=240)
@@ -48,11 +50,19 @@ _NAME = "import kvcomp; print(kvcomp.product_kernels())"
 
 
 @pytest.mark.skipif(not HAS_BF16_UNITS, reason="this CPU has neither AMX-BF16 nor AVX512-BF16")
-def test_bf16_units_are_used_where_the_cpu_has_them():
-    name = _child(_NAME)
+@pytest.mark.parametrize("env", [{}, {"KVCOMP_PRODUCTS": ""}, {"KVCOMP_PRODUCTS": "auto"}])
+def test_bf16_units_are_used_where_the_cpu_has_them(env):
+    name = _child(_NAME, **env)
     assert name.startswith("bf16 (") and name.endswith(" + f32 (dnnl_sgemm)"), name
-    if "amx_bf16" in FLAGS:
-        assert "amx" in name, name
+    if "amx_bf16" in FLAGS:  # AMX: bf16 at ~3x the fp32 rate, so the precise backward splits d_new
+        assert "amx" in name and "precise as hi+lo" in name, name
+    else:  # AVX512-BF16 (Zen 4): two bf16 products are slower than one fp32 product
+        assert "precise in f32" in name, name
+
+
+@pytest.mark.skipif(not HAS_BF16_UNITS, reason="this CPU has neither AMX-BF16 nor AVX512-BF16")
+def test_bf16_everywhere_on_request():
+    assert "precise as hi+lo" in _child(_NAME, KVCOMP_PRODUCTS="bf16")
 
 
 @pytest.mark.skipif(HAS_BF16_UNITS, reason="this CPU has bf16 units")
@@ -60,7 +70,7 @@ def test_fp32_products_without_bf16_units():
     assert _child(_NAME) == "f32 (dnnl_sgemm)"
 
 
-@pytest.mark.parametrize("env", [{"KVCOMP_PRODUCTS": "f32"}, {"KVCOMP_PRODUCTS": ""}, {"KVCOMP_ISA": "avx2"}])
+@pytest.mark.parametrize("env", [{"KVCOMP_PRODUCTS": "f32"}, {"KVCOMP_ISA": "avx2"}, {"KVCOMP_ISA": "scalar"}])
 def test_caps_keep_fp32(env):
     assert _child(_NAME, **env) == "f32 (dnnl_sgemm)"
 
@@ -68,7 +78,7 @@ def test_caps_keep_fp32(env):
 def test_unknown_value_is_reported_and_ignored():
     e = dict(os.environ, KVCOMP_PRODUCTS="fp8", PYTHONPATH=os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, "-c", _NAME], env=e, capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0 and "KVCOMP_PRODUCTS (= fp8) must be f32 or bf16" in out.stderr
+    assert out.returncode == 0 and "KVCOMP_PRODUCTS (= fp8) must be auto, bf16 or f32" in out.stderr
 
 
 _THREADS = r"""
@@ -85,8 +95,9 @@ print(kvcomp.product_kernels().split(" ")[0], len(set(h)))
 """
 
 
-def test_bf16_forward_is_the_same_for_every_thread_count():
-    kind, distinct = _child(_THREADS).split()
+@pytest.mark.parametrize("products", ["auto", "bf16", "f32"])
+def test_forward_is_the_same_for_every_thread_count(products):
+    kind, distinct = _child(_THREADS, KVCOMP_PRODUCTS=products).split()
     assert distinct == "1", kind
 
 
@@ -115,3 +126,68 @@ def test_bf16_forward_accuracy_against_the_truth(tmp_path):
     c, _ = reference_forward(*leaves[:3], case.state_cache, leaves[3], case.cmp_ratio, **case.kwargs())
     res = fp32_projection(a.float(), b.float(), c.to(torch.bfloat16).float(), "bf16")
     assert res.passed, res.summary()
+
+
+# The backward at a realistic H on each product path: both precision modes, the four gradients for
+# 1, 2 and 3 threads (sha256 each), and the gradients of the 2-thread run saved for the parent.
+_BACKWARD = r"""
+import hashlib, sys, torch, kvcomp, kvcomp.torch as kt
+from support import make_case
+case = make_case(lens=[300, 170], th=True, r=4, coff=2, start_pos=[3, 0], H=1024, D=64, dtype="bf16", seed=13)
+g = torch.Generator().manual_seed(5)
+out = {}
+distinct = []
+for precision in ("precise", "npu_parity"):
+    hashes = set()
+    for t in (1, 2, 3):
+        kvcomp.set_default_options(num_threads=t, precision=precision)
+        leaves = [v.detach().clone().requires_grad_() for v in (case.x, case.wkv, case.wgate, case.ape)]
+        y = kt.compressor(leaves[0], leaves[1], leaves[2], case.state_cache.clone(), leaves[3], 4, **case.kwargs())
+        if out.get("upstream") is None:
+            out["upstream"] = torch.randn(y.shape, generator=g).to(y.dtype)
+        y.backward(out["upstream"])
+        grads = [v.grad for v in leaves]
+        hashes.add(hashlib.sha256(b"".join(q.float().numpy().tobytes() for q in grads)).hexdigest())
+        if t == 2:
+            out[precision] = grads
+    distinct.append(len(hashes))
+torch.save(out, sys.argv[1])
+print(kvcomp.product_kernels().split(" ")[0], *distinct)
+"""
+
+
+def _backward_run(tmp_path, products):
+    f = tmp_path / f"bwd_{products}.pt"
+    e_code = _BACKWARD.replace("sys.argv[1]", repr(str(f)))
+    kind, *distinct = _child(e_code, KVCOMP_PRODUCTS=products).split()
+    assert distinct == ["1", "1"], (products, kind, distinct)  # the same gradients for 1, 2 and 3 threads
+    return kind, torch.load(f)
+
+
+@pytest.mark.skipif(not HAS_BF16_UNITS, reason="this CPU has neither AMX-BF16 nor AVX512-BF16")
+def test_backward_on_the_bf16_units_against_the_truth(tmp_path):
+    """Both precision modes with every product on the bf16 units (KVCOMP_PRODUCTS=bf16: npu_parity one
+    bf16 product per GEMM, precise hi + lo parts) against the float64 truth (spec 7.2 three-way), the
+    fp32 golden as B; npu_parity also within the two-party rule of the fp32 golden, as the NPU."""
+    from kvcomp.compare import three_way, two_way
+    from support import reference_grads
+
+    kind, ours = _backward_run(tmp_path, "bf16")
+    assert kind == "bf16", kind
+    _, f32 = _backward_run(tmp_path, "f32")
+    case = make_case(lens=[300, 170], th=True, r=4, coff=2, start_pos=[3, 0], H=1024, D=64, dtype="bf16", seed=13)
+    up = ours["upstream"]
+    _, grads_c, _ = reference_grads(case, up, torch.float64)
+    _, grads_b, _ = reference_grads(case, up, torch.float32, round_grad_to=case.x.dtype)
+    names = ("d_x", "d_wkv", "d_wgate", "d_ape")
+    for precision in ("precise", "npu_parity"):
+        for i, n in enumerate(names):
+            dt, key = (torch.float32, "fp32") if n == "d_ape" else (torch.bfloat16, "bf16")
+            a, c = ours[precision][i].to(dt), grads_c[n].to(dt)
+            rep = three_way(a, grads_b[n].to(dt), c, key)
+            assert rep.passed, (precision, n, rep.summary())
+            if precision == "npu_parity" and n != "d_ape":
+                tw = two_way(a, grads_b[n].to(dt), key)
+                assert tw.passed, (n, tw.summary())
+        # the two paths really differ (else this test would check the fp32 path twice)
+        assert not torch.equal(ours[precision][0], f32[precision][0]), precision

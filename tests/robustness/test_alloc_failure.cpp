@@ -127,6 +127,7 @@ enum Outcome : int {
   kEscaped = 45,         // an exception left the API
   kWrongResult = 46,     // success after a failed allocation, but not the undisturbed result
   kUnfiredFailure = 47,  // the hook did not fire, yet the call did not succeed
+  kPrefixWrite = 48,     // runtime_error; what changed holds the undisturbed result's bytes
 };
 
 std::vector<unsigned char> bytes(Buffer& b) {
@@ -244,6 +245,29 @@ struct SweepParam {
 
 void PrintTo(const SweepParam& p, std::ostream* os) { *os << p.name; }
 
+// Whether a runtime_error may leave a prefix of the result written (kPrefixWrite): only for a
+// call of several 1024-row chunks whose products run on the bf16 units. oneDNN's matmul and
+// reorder primitives allocate with operator new on every execution (their argument maps), so a
+// failure there in a later chunk comes after the earlier chunks wrote their rows; those rows and
+// cache slots then hold exactly the undisturbed result's bytes, and calling again gives the whole
+// result (a call's cache writes never alias the slots it reads). docs/robustness.md. The fp32
+// path (dnnl_sgemm, no operator new) keeps the strict rule: ctest runs this binary again with
+// KVCOMP_PRODUCTS=f32.
+bool prefix_allowed(const SweepParam& p) {
+  const std::string k = product_kernels();
+  const bool units = k.rfind("bf16 (", 0) == 0;
+  // The backward runs in precise mode here: bf16 products only where it splits d_new.
+  return p.large && units && (!p.backward || k.find("precise as hi+lo") != std::string::npos);
+}
+
+// Every byte that changed holds the undisturbed result's byte.
+bool only_result_bytes(const Images& before, const Images& after, const Images& expected) {
+  for (std::size_t i = 0; i < after.data.size(); ++i)
+    for (std::size_t j = 0; j < after.data[i].size(); ++j)
+      if (after.data[i][j] != before.data[i][j] && after.data[i][j] != expected.data[i][j]) return false;
+  return true;
+}
+
 // Runs the call once with allocation n failing and exits with the outcome.
 template <typename Case>
 [[noreturn]] void child(long n, const SweepParam& p, const Images& expected) {
@@ -284,7 +308,9 @@ template <typename Case>
         "status " + std::to_string(s.value()) + " (want 361001 and a \"[kvcomp] \" sentence): " + s.message;
   } else {
     const std::string d = after.diff(before);
-    out = d.empty() ? kFailedCleanly : kPartialWrite;
+    out = d.empty()                                    ? kFailedCleanly
+          : only_result_bytes(before, after, expected) ? kPrefixWrite
+                                                       : kPartialWrite;
     what = "status 361001 (" + s.message + "); changed: " + d;
   }
   std::fprintf(stderr, "[alloc %ld] outcome %d: %s\n", n, static_cast<int>(out), what.c_str());
@@ -300,6 +326,8 @@ std::string describe(int status) {
       return "wrong status code";
     case kPartialWrite:
       return "runtime_error, but outputs written";
+    case kPrefixWrite:
+      return "runtime_error, a prefix of the result written (allowed only on the bf16 path)";
     case kEscaped:
       return "exception escaped the API";
     case kWrongResult:
@@ -312,11 +340,13 @@ std::string describe(int status) {
 }
 
 int last_status = -1;
+bool prefix_ok = false;  // prefix_allowed() for the sweep under way
 bool accepted_exit(int status) {
   last_status = status;
   if (!WIFEXITED(status)) return false;
   const int code = WEXITSTATUS(status);
-  return code == kFailedCleanly || code == kDoneUnfired || code == kRecovered;
+  return code == kFailedCleanly || code == kDoneUnfired || code == kRecovered ||
+         (prefix_ok && code == kPrefixWrite);
 }
 
 class AllocFailure : public ::testing::TestWithParam<SweepParam> {};
@@ -336,6 +366,7 @@ void sweep(const SweepParam& p) {
     ASSERT_GT(hook::count.load(), 0) << "the call allocates nothing: the sweep would test nothing";
   }
   const Images expected = reference.image();
+  prefix_ok = prefix_allowed(p);
   constexpr long kMaxN = 100000;
   long n = 1;
   std::string failing;  // one line per failing N, for the summary
