@@ -207,11 +207,13 @@ KVCOMP_API void release_cached_workspace();
 KVCOMP_API const char* kernel_isa();
 
 // The matrix-product kernels of the CPU backend in this process:
-// "bf16 (<oneDNN implementation>) + f32 (dnnl_sgemm)" where the CPU has bf16
-// dot-product units (AMX-BF16, AVX512-BF16) and KVCOMP_PRODUCTS=bf16 asks
-// for them (the forward projections of bf16 calls then run there), else
-// "f32 (dnnl_sgemm)". KVCOMP_ISA below avx512 keeps every product fp32.
-// Chosen once per process.
+// "bf16 (<oneDNN implementation>, precise as hi+lo | precise in f32) + f32
+// (dnnl_sgemm)" where the CPU has bf16 dot-product units (AMX-BF16,
+// AVX512-BF16): the products of bf16 calls run there (forward, npu_parity
+// backward, and the precise backward as bf16 high + low parts where that is
+// faster than fp32, i.e. on AMX, or when KVCOMP_PRODUCTS=bf16); else
+// "f32 (dnnl_sgemm)". KVCOMP_PRODUCTS=f32, or KVCOMP_ISA below avx512, keeps
+// every product fp32. Chosen once per process.
 KVCOMP_API const char* product_kernels();
 
 // Whether this build has the CUDA backend (configured with KVCOMP_CUDA), and

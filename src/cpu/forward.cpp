@@ -133,15 +133,22 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
     if (buf.bf16) {
       // [new_kv | new_score] = x . [wkv ; wgate]^T on the bf16 units: the chunk's rows in whole
       // tiles (zero rows after them), two products into the two column halves.
-      const std::int64_t n_pad = bf16_padded_rows(n);
-      std::memcpy(buf.xb, x_rows, static_cast<std::size_t>(n * H) * sizeof(std::uint16_t));
-      std::memset(buf.xb + n * H, 0, static_cast<std::size_t>((n_pad - n) * H) * sizeof(std::uint16_t));
       const Bf16Shape shape = buf.bf16_shape(d);
       const void* b_kv = buf.packed_kv ? buf.packed_kv : args.wkv.data;
       const void* b_gate = buf.packed_gate ? buf.packed_gate : args.wgate.data;
-      if (!gemm_bf16(shape, n_pad, buf.xb, b_kv, rows, false, num_threads) ||
-          !gemm_bf16(shape, n_pad, buf.xb, b_gate, rows + C, false, num_threads))
-        return {StatusCode::runtime_error, "[kvcomp] oneDNN bf16 matmul for the projections failed"};
+      bool ok = true;
+      if (gemm_row_stable()) {
+        const std::int64_t n_pad = bf16_padded_rows(n);
+        std::memcpy(buf.xb, x_rows, static_cast<std::size_t>(n * H) * sizeof(std::uint16_t));
+        std::memset(buf.xb + n * H, 0, static_cast<std::size_t>((n_pad - n) * H) * sizeof(std::uint16_t));
+        ok = gemm_bf16(shape, n_pad, buf.xb, b_kv, rows, false, num_threads) &&
+             gemm_bf16(shape, n_pad, buf.xb, b_gate, rows + C, false, num_threads);
+      } else {  // KVCOMP_ROW_STABLE=0: the chunk's rows as they are, column tiles (decode-bound serving)
+        const auto* xs = static_cast<const std::uint16_t*>(static_cast<const void*>(x_rows));
+        ok = gemm_bf16_rows(shape, n, xs, b_kv, rows, false, num_threads) &&
+             gemm_bf16_rows(shape, n, xs, b_gate, rows + C, false, num_threads);
+      }
+      if (!ok) return {StatusCode::runtime_error, "[kvcomp] oneDNN bf16 matmul for the projections failed"};
     } else {
       rows_to_f32(x_rows, d.io, n, H, buf.xf, buf.ld_h, num_threads);
       // Zero rows up to the padded M, so each token's projection is computed

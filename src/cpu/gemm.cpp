@@ -47,6 +47,8 @@ std::int64_t tile_m() { return onednn_has_avx512() || !row_stable() ? 256 : 192;
 
 }  // namespace
 
+bool gemm_row_stable() { return row_stable(); }
+
 std::int64_t gemm_row_quantum(bool b_transposed) {
   if (!row_stable()) return 1;
   if (onednn_has_avx512()) return 16;
@@ -78,7 +80,7 @@ bool gemm_f32(std::int64_t M, std::int64_t N, std::int64_t K, GemmOperand a, Gem
   const std::int64_t tiles = tiles_m * tiles_n;
   const float beta = accumulate ? 1.0f : 0.0f;
   std::atomic<bool> ok{true};
-#pragma omp parallel num_threads(static_cast <int>(std::min <std::int64_t>(num_threads, tiles)))
+#pragma omp parallel num_threads(static_cast<int>(std::min<std::int64_t>(num_threads, tiles)))
   {
     omp_set_num_threads(1);  // this implicit task's limit only: oneDNN runs the tile on this thread
 #pragma omp for schedule(dynamic, 1)

@@ -34,6 +34,8 @@ struct GemmOperand {
 // KVCOMP_ROW_STABLE=0 in the environment turns this off (quantum 1, the
 // tiles of earlier releases) for decode-bound serving.
 std::int64_t gemm_row_quantum(bool b_transposed);
+// False when KVCOMP_ROW_STABLE=0 turned row stability off (read once).
+bool gemm_row_stable();
 // The largest value gemm_row_quantum returns (workspace sizing).
 constexpr std::int64_t kMaxRowQuantum = 96;
 // round_up(rows, gemm_row_quantum(b_transposed)).

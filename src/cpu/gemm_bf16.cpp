@@ -28,8 +28,9 @@ dnnl::engine& engine() {
   return e;
 }
 
-// One tile's primitive: A [kBf16TileRows, K] bf16 with row stride lda, B,
-// C [kBf16TileRows, N] fp32 with row stride ldc, plus the sum post-op when it
+// One tile's primitive: A [rows, K] bf16 with row stride lda, B [K, cols],
+// C [rows, cols] fp32 with row stride ldc (rows kBf16TileRows and cols N,
+// except in gemm_bf16_rows), plus the sum post-op when it
 // accumulates. B is read where it lies (in_place) when the layout oneDNN
 // would pick for it is a plain one anyway (AVX512-BF16: its gemm packs B
 // itself), else from the packed copy in that layout (AMX: a blocked layout).
@@ -41,21 +42,24 @@ struct TilePrimitive {
   bool in_place = false;
 };
 
-// N, K, lda, ldc, ldb, b_transposed, sum
-using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t, bool, bool>;
+// N, K, lda, ldc, ldb, b_transposed, sum, rows, cols
+using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t, bool, bool,
+                       std::int64_t, std::int64_t>;
 
-dnnl::memory::desc plain_b(const Bf16Shape& s) {
-  return {{s.K, s.N}, dt::bf16, s.b_transposed ? dims{1, s.ldb} : dims{s.ldb, 1}};
+dnnl::memory::desc plain_b(const Bf16Shape& s, std::int64_t cols) {
+  return {{s.K, cols}, dt::bf16, s.b_transposed ? dims{1, s.ldb} : dims{s.ldb, 1}};
 }
 
-TilePrimitive* tile_primitive(const Bf16Shape& s, bool accumulate) {
+TilePrimitive* tile_primitive(const Bf16Shape& s, bool accumulate, std::int64_t rows = kBf16TileRows,
+                              std::int64_t cols = -1) {
+  if (cols < 0) cols = s.N;
   static std::recursive_mutex mu;
   static std::map<Key, std::unique_ptr<TilePrimitive>> cache;
   const std::lock_guard<std::recursive_mutex> lock(mu);
-  auto& slot = cache[Key{s.N, s.K, s.lda, s.ldc, s.ldb, s.b_transposed, accumulate}];
+  auto& slot = cache[Key{s.N, s.K, s.lda, s.ldc, s.ldb, s.b_transposed, accumulate, rows, cols}];
   if (!slot) {
-    const dnnl::memory::desc a({kBf16TileRows, s.K}, dt::bf16, dims{s.lda, 1});
-    const dnnl::memory::desc c({kBf16TileRows, s.N}, dt::f32, dims{s.ldc, 1});
+    const dnnl::memory::desc a({rows, s.K}, dt::bf16, dims{s.lda, 1});
+    const dnnl::memory::desc c({rows, cols}, dt::f32, dims{s.ldc, 1});
     dnnl::primitive_attr attr;
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
     if (accumulate) {
@@ -66,17 +70,22 @@ TilePrimitive* tile_primitive(const Bf16Shape& s, bool accumulate) {
     auto make = [&](const dnnl::memory::desc& b) {
       return dnnl::matmul::primitive_desc(dnnl::matmul::desc(a, b, c), attr, engine());
     };
+    const dnnl::memory::desc any({s.K, cols}, dt::bf16, dnnl::memory::format_tag::any);
     bool in_place = false;
-    if (accumulate) {  // B as the plain primitive reads it (the caller packed it for that one)
-      in_place = tile_primitive(s, false)->in_place;
+    dnnl::memory::desc b = any;
+    if (accumulate || rows != kBf16TileRows || cols != s.N) {
+      // B as the plain tile primitive reads it: in place, or in the layout the caller packed it in
+      // for that one (named explicitly, so that the sum post-op cannot pick another).
+      const TilePrimitive* base = tile_primitive(s, false);
+      in_place = base->in_place;
+      b = in_place ? plain_b(s, cols) : base->pd.weights_desc();
     } else {
-      const auto w =
-          make(dnnl::memory::desc({s.K, s.N}, dt::bf16, dnnl::memory::format_tag::any)).weights_desc();
+      const auto w = make(any).weights_desc();
       in_place = w == dnnl::memory::desc({s.K, s.N}, dt::bf16, dnnl::memory::format_tag::ab) ||
                  w == dnnl::memory::desc({s.K, s.N}, dt::bf16, dnnl::memory::format_tag::ba);
+      if (in_place) b = plain_b(s, cols);
     }
-    const auto pd =
-        make(in_place ? plain_b(s) : dnnl::memory::desc({s.K, s.N}, dt::bf16, dnnl::memory::format_tag::any));
+    const auto pd = make(b);
     slot = std::make_unique<TilePrimitive>(TilePrimitive{pd, dnnl::matmul(pd), in_place});
   }
   return slot.get();
@@ -165,7 +174,7 @@ bool bf16_pack_b(const Bf16Shape& s, const Bf16PackJob* jobs, int count, int num
     try {
       dnnl::stream st(engine());
       for (int j = omp_get_thread_num(); j < count; j += omp_get_num_threads()) {
-        dnnl::memory src(plain_b(s), engine(), const_cast<std::uint16_t*>(jobs[j].b));
+        dnnl::memory src(plain_b(s, s.N), engine(), const_cast<std::uint16_t*>(jobs[j].b));
         dnnl::memory dst(t->pd.weights_desc(), engine(), jobs[j].packed);
         dnnl::reorder(src, dst).execute(st, src, dst);
       }
@@ -182,16 +191,31 @@ bool gemm_bf16(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a, const
                bool accumulate, int num_threads) {
   if (M <= 0 || s.N <= 0) return true;
   if (M % kBf16TileRows != 0) return false;
-  TilePrimitive* t = nullptr;
+  // Tiles of kBf16InPlaceTileRows rows where B is read in place (the kernel packs B on every execution,
+  // so fewer, taller tiles pack it less often; a row's sums do not depend on the tile's height, which
+  // the row-stability tests check), else of kBf16TileRows; the last tile takes the rest.
+  const TilePrimitive* full = nullptr;
+  const TilePrimitive* last = nullptr;
+  std::int64_t unit = kBf16TileRows;
   try {
-    t = tile_primitive(s, accumulate);
+    const TilePrimitive* base = tile_primitive(s, false);
+    // In place: about one tile per thread, between kBf16TileRows and kBf16InPlaceTileRows rows (a
+    // row's sums do not depend on the height, so neither do they on the thread count).
+    if (base->in_place) {
+      const std::int64_t share = (M + std::max(num_threads, 1) - 1) / std::max(num_threads, 1);
+      unit = std::clamp(bf16_padded_rows(share), kBf16TileRows, kBf16InPlaceTileRows);
+    }
+    unit = std::min(unit, M);
+    full = tile_primitive(s, accumulate, unit);
+    last = M % unit ? tile_primitive(s, accumulate, M % unit) : full;
     // B was packed for the plain primitive: the sum post-op must not change its layout.
-    if (accumulate && t->pd.weights_desc() != tile_primitive(s, false)->pd.weights_desc()) return false;
+    if (!base->in_place && full->pd.weights_desc() != base->pd.weights_desc()) return false;
   } catch (const std::exception&) {
     return false;
   }
-  const std::int64_t tiles = M / kBf16TileRows;
-  const std::size_t scratch_bytes = t->pd.scratchpad_desc().get_size();
+  const std::int64_t tiles = (M + unit - 1) / unit;
+  const std::size_t scratch_bytes =
+      std::max(full->pd.scratchpad_desc().get_size(), last->pd.scratchpad_desc().get_size());
   std::atomic<bool> ok{true};
   const int threads = static_cast<int>(std::min<std::int64_t>(std::max(num_threads, 1), tiles));
   // Tiles dealt round-robin: which thread runs a tile cannot change its sums.
@@ -202,12 +226,60 @@ bool gemm_bf16(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a, const
       dnnl::stream st(engine());
       // The primitive's own work memory, per thread (scratchpad_mode::user: nothing shared).
       std::unique_ptr<unsigned char[]> scratch(scratch_bytes ? new unsigned char[scratch_bytes] : nullptr);
-      dnnl::memory sp(t->pd.scratchpad_desc(), engine(), scratch.get());
-      dnnl::memory wm(t->pd.weights_desc(), engine(), const_cast<void*>(b));
       for (std::int64_t tile = omp_get_thread_num(); tile < tiles; tile += omp_get_num_threads()) {
-        dnnl::memory am(t->pd.src_desc(), engine(),
-                        const_cast<std::uint16_t*>(a + tile * kBf16TileRows * s.lda));
-        dnnl::memory cm(t->pd.dst_desc(), engine(), c + tile * kBf16TileRows * s.ldc);
+        const TilePrimitive* t = (tile + 1) * unit <= M ? full : last;
+        dnnl::memory sp(t->pd.scratchpad_desc(), engine(), scratch.get());
+        dnnl::memory wm(t->pd.weights_desc(), engine(), const_cast<void*>(b));
+        dnnl::memory am(t->pd.src_desc(), engine(), const_cast<std::uint16_t*>(a + tile * unit * s.lda));
+        dnnl::memory cm(t->pd.dst_desc(), engine(), c + tile * unit * s.ldc);
+        t->prim.execute(
+            st, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, wm}, {DNNL_ARG_DST, cm}, {DNNL_ARG_SCRATCHPAD, sp}});
+      }
+      st.wait();
+    } catch (
+        const std::exception&) {  // dnnl::error, std::bad_alloc: reported, never thrown out of the region
+      ok = false;
+    }
+  }
+  return ok;
+}
+
+bool gemm_bf16_rows(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a, const void* b, float* c,
+                    bool accumulate, int num_threads) {
+  if (M <= 0 || s.N <= 0) return true;
+  // Column tiles where B is read in place (a column block of B is a plain matrix too); one tile over
+  // all columns where it is packed (its blocked layout is not ours to cut).
+  std::int64_t cols = s.N;
+  const TilePrimitive* full = nullptr;
+  const TilePrimitive* last = nullptr;
+  try {
+    if (tile_primitive(s, false)->in_place) cols = std::min(kBf16TileCols, s.N);
+    full = tile_primitive(s, accumulate, M, cols);
+    last = s.N % cols ? tile_primitive(s, accumulate, M, s.N % cols) : full;
+  } catch (const std::exception&) {
+    return false;
+  }
+  const std::int64_t tiles = (s.N + cols - 1) / cols;
+  const std::size_t scratch_bytes =
+      std::max(full->pd.scratchpad_desc().get_size(), last->pd.scratchpad_desc().get_size());
+  const auto* bb = static_cast<const std::uint16_t*>(b);
+  std::atomic<bool> ok{true};
+  const int threads = static_cast<int>(std::min<std::int64_t>(std::max(num_threads, 1), tiles));
+#pragma omp parallel num_threads(threads)
+  {
+    omp_set_num_threads(1);  // this implicit task's limit only: oneDNN runs the tile on this thread
+    try {
+      dnnl::stream st(engine());
+      std::unique_ptr<unsigned char[]> scratch(scratch_bytes ? new unsigned char[scratch_bytes] : nullptr);
+      for (std::int64_t tile = omp_get_thread_num(); tile < tiles; tile += omp_get_num_threads()) {
+        const std::int64_t n0 = tile * cols;
+        const TilePrimitive* t = n0 + cols <= s.N ? full : last;
+        const std::uint16_t* b_tile = s.b_transposed ? bb + n0 * s.ldb : bb + n0;
+        dnnl::memory sp(t->pd.scratchpad_desc(), engine(), scratch.get());
+        dnnl::memory am(t->pd.src_desc(), engine(), const_cast<std::uint16_t*>(a));
+        dnnl::memory wm(t->pd.weights_desc(), engine(),
+                        const_cast<std::uint16_t*>(cols == s.N ? bb : b_tile));
+        dnnl::memory cm(t->pd.dst_desc(), engine(), c + n0);
         t->prim.execute(
             st, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, wm}, {DNNL_ARG_DST, cm}, {DNNL_ARG_SCRATCHPAD, sp}});
       }

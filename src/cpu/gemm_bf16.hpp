@@ -12,12 +12,17 @@
 //   (d_new = hi + lo to about 2^-17 relative), two products accumulated in
 //   fp32.
 //
-// Determinism and row stability as gemm.hpp: the output is cut into tiles of
-// fixed shape (every M tile has kBf16TileRows rows, the last one padded with
-// zero rows by the caller, N is whole), each tile one single-threaded
-// primitive execution over the whole K, OpenMP dealing the tiles; so an
-// element's sum order depends on nothing but K and the tile shape, never on
-// the thread count or on the other rows of the call.
+// Determinism and row stability as gemm.hpp: the caller pads M to a multiple
+// of kBf16TileRows with zero rows; the output is cut into tiles of
+// kBf16TileRows rows where B is packed, and where it is read in place (the
+// kernel packs B on every execution, so taller tiles pack it less often)
+// into about one tile per thread of 64 to kBf16InPlaceTileRows rows, the
+// last tile the rest; N whole. Each tile is one single-threaded primitive
+// execution over the whole K, OpenMP dealing the tiles. oneDNN's kernels sum
+// a row of C in the same order whatever the tile's height (a multiple of
+// kBf16TileRows), so a row's result depends neither on the thread count nor
+// on the other rows of the call (tests/python/test_products.py and
+// test_row_stability.py check both on the machine they run on).
 #pragma once
 
 #include <cstddef>
@@ -28,6 +33,9 @@ namespace kvcomp::detail {
 // Rows of one tile (a multiple of AMX's 16 and of 32): padding a call to a
 // multiple of it keeps every primitive at one of a few shapes.
 constexpr std::int64_t kBf16TileRows = 64;
+
+// Rows of one tile where B is read in place (a multiple of kBf16TileRows).
+constexpr std::int64_t kBf16InPlaceTileRows = 256;
 
 inline std::int64_t bf16_padded_rows(std::int64_t rows) {
   return (rows + kBf16TileRows - 1) / kBf16TileRows * kBf16TileRows;
@@ -94,5 +102,17 @@ bool bf16_pack_b(const Bf16Shape& s, const Bf16PackJob* jobs, int count, int num
 // failed.
 bool gemm_bf16(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a, const void* b, float* c,
                bool accumulate, int num_threads);
+
+// Columns of one tile of gemm_bf16_rows.
+constexpr std::int64_t kBf16TileCols = 256;
+
+// The same product without row stability, for KVCOMP_ROW_STABLE=0 (decode-
+// bound serving, gemm.hpp): A is M rows as they are (no padding), and where
+// B is read in place its columns are cut into tiles of kBf16TileCols, each one
+// single-threaded primitive execution over the whole K (one tile over all
+// columns where B is packed). Deterministic across thread counts; a row's
+// result may depend on M.
+bool gemm_bf16_rows(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a, const void* b, float* c,
+                    bool accumulate, int num_threads);
 
 }  // namespace kvcomp::detail

@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -260,9 +262,20 @@ inline ::testing::AssertionResult projection_accuracy(const std::vector<double>&
   return ::testing::AssertionFailure() << r.why;
 }
 
+// KVCOMP_SWEEP_REPORT=1 in the environment also prints every comparison's
+// summary ("three-way <test> <name>: ..."), for the ratio tables of
+// docs/performance.md.
+inline void report_three_way(const char* name, const std::string& summary) {
+  if (!std::getenv("KVCOMP_SWEEP_REPORT")) return;
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  std::printf("three-way %s/%s %s: %s\n", info ? info->test_suite_name() : "", info ? info->name() : "", name,
+              summary.c_str());
+}
+
 #define KVCOMP_EXPECT_THREE_WAY(name, a, b, c, dt)                          \
   do {                                                                      \
     const auto r_ = ::kvcomp::test::three_way_compare((a), (b), (c), (dt)); \
+    ::kvcomp::test::report_three_way((name), r_.summary());                 \
     EXPECT_TRUE(r_.pass) << (name) << ": " << r_.summary();                 \
   } while (0)
 

@@ -37,7 +37,7 @@ HAS_BF16_UNITS = bool(FLAGS & {"amx_bf16", "avx512_bf16"})
 
 def _child(code, **env):
     e = dict(os.environ)
-    for k in ("KVCOMP_PRODUCTS", "KVCOMP_ISA"):
+    for k in ("KVCOMP_PRODUCTS", "KVCOMP_ISA", "KVCOMP_ROW_STABLE"):
         e.pop(k, None)
     e.update(env)
     e["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(__file__), e.get("PYTHONPATH")]))
@@ -96,8 +96,10 @@ print(kvcomp.product_kernels().split(" ")[0], len(set(h)))
 
 
 @pytest.mark.parametrize("products", ["auto", "bf16", "f32"])
-def test_forward_is_the_same_for_every_thread_count(products):
-    kind, distinct = _child(_THREADS, KVCOMP_PRODUCTS=products).split()
+@pytest.mark.parametrize("row_stable", ["1", "0"])
+def test_forward_is_the_same_for_every_thread_count(products, row_stable):
+    """Also with KVCOMP_ROW_STABLE=0 (decode-bound serving: the rows as they are, column tiles)."""
+    kind, distinct = _child(_THREADS, KVCOMP_PRODUCTS=products, KVCOMP_ROW_STABLE=row_stable).split()
     assert distinct == "1", kind
 
 

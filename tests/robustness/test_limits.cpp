@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <limits>
@@ -197,7 +198,9 @@ std::vector<std::uint16_t>* g_w;      // wkv, wgate, d_wkv, d_wgate share one ze
 std::vector<std::uint16_t>* g_small;  // x, d_x, cmp_kv, d_cmp_kv (sentinel-filled)
 std::vector<float>* g_f32;            // cache, ape, softmax_score, kv, d_ape
 
-int forward_child() {
+std::int32_t g_table[1] = {0};
+
+ForwardArgs forward_args() {
   ForwardArgs a;
   a.x = Tensor(g_small->data(), DType::bf16, {1, 4, kH});
   a.wkv = Tensor(g_w->data(), DType::bf16, {kC, kH});
@@ -206,9 +209,13 @@ int forward_child() {
   a.coff = 2;
   a.state_cache = Tensor(g_f32->data(), DType::f32, {1, 8, 2 * kC});
   a.ape = Tensor(g_f32->data(), DType::f32, {4, kC});
-  std::int32_t table[1] = {0};
-  a.state_block_table = Tensor(table, DType::i32, {1, 1});
+  a.state_block_table = Tensor(g_table, DType::i32, {1, 1});
   a.cmp_kv = Tensor(g_small->data() + 4 * kH, DType::bf16, {1, 1, kC / 2});
+  return a;
+}
+
+int forward_child() {
+  const ForwardArgs a = forward_args();
   const std::vector<std::uint16_t> before = *g_small;
   const std::vector<float> cache_before = *g_f32;
   const Status s = compressor_forward(a);
@@ -257,8 +264,19 @@ TEST(SizeLimits, WorkspaceAllocationFailureIs361001) {
   // The copies the children make of the small buffers fit in the margin; the
   // workspace (> 128 MiB) does not.
   constexpr std::int64_t margin = 48ll << 20;
+  // With bf16 products reading the weights in place (src/cpu/gemm_bf16.hpp) the forward needs no fp32
+  // copy of them, and its workspace fits in the margin: nothing to fail. ctest runs this test again
+  // with every product fp32 (robustness.workspace_allocation_products_f32).
+  ForwardPlan plan;
+  ASSERT_TRUE(plan_forward(forward_args(), {}, &plan).ok());
+  const bool forward_fits = static_cast<std::int64_t>(plan.workspace_size()) < margin;
   for (auto [name, fn] : {std::pair{"forward", &forward_child}, std::pair{"backward", &backward_child}}) {
     SCOPED_TRACE(name);
+    if (fn == &forward_child && forward_fits) {
+      std::printf("forward: workspace of %zu bytes fits in the margin (products: %s); not capped here\n",
+                  plan.workspace_size(), product_kernels());
+      continue;
+    }
     const int rc = in_capped_child(margin, fn);
     if (rc == 77) GTEST_SKIP() << "RLIMIT_AS could not be set";
     EXPECT_EQ(rc, 0) << "1: wrong status, 2: wrong message, 3: an output changed, >128: killed by a signal";
