@@ -187,20 +187,67 @@ bool bf16_pack_b(const Bf16Shape& s, const Bf16PackJob* jobs, int count, int num
   return ok;
 }
 
+namespace {
+
+// One primitive execution of a product: its primitive and where its A, B and C start.
+struct Tile {
+  const TilePrimitive* t;
+  const std::uint16_t* a;
+  const void* b;
+  float* c;
+};
+
+// Runs `tiles` executions (tile_of(i) says the i-th; all of them with primitive `full` or `last`),
+// dealt round-robin over up to num_threads threads, each execution single-threaded on its thread:
+// which thread runs a tile cannot change its sums.
+template <typename TileOf>
+bool run_tiles(std::int64_t tiles, const TilePrimitive* full, const TilePrimitive* last, int num_threads,
+               TileOf&& tile_of) {
+  const std::size_t scratch_bytes =
+      std::max(full->pd.scratchpad_desc().get_size(), last->pd.scratchpad_desc().get_size());
+  std::atomic<bool> ok{true};
+  const int threads = static_cast<int>(std::min<std::int64_t>(std::max(num_threads, 1), tiles));
+#pragma omp parallel num_threads(threads)
+  {
+    omp_set_num_threads(1);  // this implicit task's limit only: oneDNN runs the tile on this thread
+    try {
+      dnnl::stream st(engine());
+      // The primitive's own work memory, per thread (scratchpad_mode::user: nothing shared).
+      std::unique_ptr<unsigned char[]> scratch(scratch_bytes ? new unsigned char[scratch_bytes] : nullptr);
+      for (std::int64_t i = omp_get_thread_num(); i < tiles; i += omp_get_num_threads()) {
+        const Tile x = tile_of(i);
+        const auto& pd = x.t->pd;
+        dnnl::memory sp(pd.scratchpad_desc(), engine(), scratch.get());
+        dnnl::memory am(pd.src_desc(), engine(), const_cast<std::uint16_t*>(x.a));
+        dnnl::memory wm(pd.weights_desc(), engine(), const_cast<void*>(x.b));
+        dnnl::memory cm(pd.dst_desc(), engine(), x.c);
+        x.t->prim.execute(
+            st, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, wm}, {DNNL_ARG_DST, cm}, {DNNL_ARG_SCRATCHPAD, sp}});
+      }
+      st.wait();
+    } catch (
+        const std::exception&) {  // dnnl::error, std::bad_alloc: reported, never thrown out of the region
+      ok = false;
+    }
+  }
+  return ok;
+}
+
+}  // namespace
+
 bool gemm_bf16(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a, const void* b, float* c,
                bool accumulate, int num_threads) {
   if (M <= 0 || s.N <= 0) return true;
   if (M % kBf16TileRows != 0) return false;
-  // Tiles of kBf16InPlaceTileRows rows where B is read in place (the kernel packs B on every execution,
-  // so fewer, taller tiles pack it less often; a row's sums do not depend on the tile's height, which
-  // the row-stability tests check), else of kBf16TileRows; the last tile takes the rest.
   const TilePrimitive* full = nullptr;
   const TilePrimitive* last = nullptr;
   std::int64_t unit = kBf16TileRows;
   try {
     const TilePrimitive* base = tile_primitive(s, false);
-    // In place: about one tile per thread, between kBf16TileRows and kBf16InPlaceTileRows rows (a
-    // row's sums do not depend on the height, so neither do they on the thread count).
+    // In place: about one tile per thread, between kBf16TileRows and kBf16InPlaceTileRows rows (the
+    // kernel packs B on every execution, so taller tiles pack it less often; a row's sums do not
+    // depend on the height, so neither do they on the thread count). Packed: kBf16TileRows. The
+    // last tile takes the rest.
     if (base->in_place) {
       const std::int64_t share = (M + std::max(num_threads, 1) - 1) / std::max(num_threads, 1);
       unit = std::clamp(bf16_padded_rows(share), kBf16TileRows, kBf16InPlaceTileRows);
@@ -213,35 +260,9 @@ bool gemm_bf16(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a, const
   } catch (const std::exception&) {
     return false;
   }
-  const std::int64_t tiles = (M + unit - 1) / unit;
-  const std::size_t scratch_bytes =
-      std::max(full->pd.scratchpad_desc().get_size(), last->pd.scratchpad_desc().get_size());
-  std::atomic<bool> ok{true};
-  const int threads = static_cast<int>(std::min<std::int64_t>(std::max(num_threads, 1), tiles));
-  // Tiles dealt round-robin: which thread runs a tile cannot change its sums.
-#pragma omp parallel num_threads(threads)
-  {
-    omp_set_num_threads(1);  // this implicit task's limit only: oneDNN runs the tile on this thread
-    try {
-      dnnl::stream st(engine());
-      // The primitive's own work memory, per thread (scratchpad_mode::user: nothing shared).
-      std::unique_ptr<unsigned char[]> scratch(scratch_bytes ? new unsigned char[scratch_bytes] : nullptr);
-      for (std::int64_t tile = omp_get_thread_num(); tile < tiles; tile += omp_get_num_threads()) {
-        const TilePrimitive* t = (tile + 1) * unit <= M ? full : last;
-        dnnl::memory sp(t->pd.scratchpad_desc(), engine(), scratch.get());
-        dnnl::memory wm(t->pd.weights_desc(), engine(), const_cast<void*>(b));
-        dnnl::memory am(t->pd.src_desc(), engine(), const_cast<std::uint16_t*>(a + tile * unit * s.lda));
-        dnnl::memory cm(t->pd.dst_desc(), engine(), c + tile * unit * s.ldc);
-        t->prim.execute(
-            st, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, wm}, {DNNL_ARG_DST, cm}, {DNNL_ARG_SCRATCHPAD, sp}});
-      }
-      st.wait();
-    } catch (
-        const std::exception&) {  // dnnl::error, std::bad_alloc: reported, never thrown out of the region
-      ok = false;
-    }
-  }
-  return ok;
+  return run_tiles((M + unit - 1) / unit, full, last, num_threads, [&](std::int64_t i) {
+    return Tile{(i + 1) * unit <= M ? full : last, a + i * unit * s.lda, b, c + i * unit * s.ldc};
+  });
 }
 
 bool gemm_bf16_rows(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a, const void* b, float* c,
@@ -259,37 +280,12 @@ bool gemm_bf16_rows(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a, 
   } catch (const std::exception&) {
     return false;
   }
-  const std::int64_t tiles = (s.N + cols - 1) / cols;
-  const std::size_t scratch_bytes =
-      std::max(full->pd.scratchpad_desc().get_size(), last->pd.scratchpad_desc().get_size());
   const auto* bb = static_cast<const std::uint16_t*>(b);
-  std::atomic<bool> ok{true};
-  const int threads = static_cast<int>(std::min<std::int64_t>(std::max(num_threads, 1), tiles));
-#pragma omp parallel num_threads(threads)
-  {
-    omp_set_num_threads(1);  // this implicit task's limit only: oneDNN runs the tile on this thread
-    try {
-      dnnl::stream st(engine());
-      std::unique_ptr<unsigned char[]> scratch(scratch_bytes ? new unsigned char[scratch_bytes] : nullptr);
-      for (std::int64_t tile = omp_get_thread_num(); tile < tiles; tile += omp_get_num_threads()) {
-        const std::int64_t n0 = tile * cols;
-        const TilePrimitive* t = n0 + cols <= s.N ? full : last;
-        const std::uint16_t* b_tile = s.b_transposed ? bb + n0 * s.ldb : bb + n0;
-        dnnl::memory sp(t->pd.scratchpad_desc(), engine(), scratch.get());
-        dnnl::memory am(t->pd.src_desc(), engine(), const_cast<std::uint16_t*>(a));
-        dnnl::memory wm(t->pd.weights_desc(), engine(),
-                        const_cast<std::uint16_t*>(cols == s.N ? bb : b_tile));
-        dnnl::memory cm(t->pd.dst_desc(), engine(), c + n0);
-        t->prim.execute(
-            st, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, wm}, {DNNL_ARG_DST, cm}, {DNNL_ARG_SCRATCHPAD, sp}});
-      }
-      st.wait();
-    } catch (
-        const std::exception&) {  // dnnl::error, std::bad_alloc: reported, never thrown out of the region
-      ok = false;
-    }
-  }
-  return ok;
+  return run_tiles((s.N + cols - 1) / cols, full, last, num_threads, [&](std::int64_t i) {
+    const std::int64_t n0 = i * cols;
+    const std::uint16_t* b_tile = cols == s.N ? bb : s.b_transposed ? bb + n0 * s.ldb : bb + n0;
+    return Tile{n0 + cols <= s.N ? full : last, a, b_tile, c + n0};
+  });
 }
 
 }  // namespace kvcomp::detail
