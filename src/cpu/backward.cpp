@@ -60,18 +60,17 @@ struct BackwardBuffers {
       packed_x_bytes = x.packed_bytes;
       bf16 = true;
       ok = w.ok && x.ok;  // oneDNN could not make the products (out of memory)
-      {
-        if (w.packed_bytes > 0) {
-          packed_wkv = ws.take<unsigned char>(static_cast<std::int64_t>(w.packed_bytes));
-          packed_wgate = ws.take<unsigned char>(static_cast<std::int64_t>(w.packed_bytes));
-        }
-        if (packed_x_bytes > 0) packed_x = ws.take<unsigned char>(static_cast<std::int64_t>(packed_x_bytes));
-        for (int part = 0; part < 2; ++part) {
-          dn[part] = ws.take<std::uint16_t>(Rp * ld_dn);
-          dnt[part] = ws.take<std::uint16_t>(c2p * ld_t);
-        }
-        xb = ws.take<std::uint16_t>(bf16_padded_rows(R) * d.H);
+      if (w.packed_bytes > 0) {
+        packed_wkv = ws.take<unsigned char>(static_cast<std::int64_t>(w.packed_bytes));
+        packed_wgate = ws.take<unsigned char>(static_cast<std::int64_t>(w.packed_bytes));
       }
+      if (packed_x_bytes > 0) packed_x = ws.take<unsigned char>(static_cast<std::int64_t>(packed_x_bytes));
+      // The low part only in precise mode (npu_parity's d_new is bf16 already).
+      for (int part = 0; part < (precision == Precision::npu_parity ? 1 : 2); ++part) {
+        dn[part] = ws.take<std::uint16_t>(Rp * ld_dn);
+        dnt[part] = ws.take<std::uint16_t>(c2p * ld_t);
+      }
+      xb = ws.take<std::uint16_t>(bf16_padded_rows(R) * d.H);
     }
     if (!bf16) {
       wcat = ws.take<float>(2 * d.C * ld_h);
@@ -87,27 +86,27 @@ struct BackwardBuffers {
 };
 
 // The bf16 operands of the backward's products from the fp32 d_new rows [0, rows) (rows a
-// multiple of a tile, zero past the chunk's own): hi = bf16(d_new) and, when lo is given,
+// multiple of a tile, zero past the chunk's own): hi = bf16(d_new) and, with_lo,
 // lo = bf16(d_new - hi) (zero where hi is not finite), as [rows, 2C] row-major and transposed
-// [2C, k] (columns k >= rows zero, rows 2C..c2p zero). In npu_parity d_new is already bf16 (spec
-// 6.1 step 7), so hi is exact and lo is not needed.
-void split_to_bf16(const float* dnew, std::int64_t ld, std::int64_t rows, std::int64_t c2, std::int64_t k,
+// [2C, rows] (rows 2C..c2p zero). In npu_parity d_new is already bf16 (spec 6.1 step 7), so hi is
+// exact and lo is not needed.
+void split_to_bf16(const float* dnew, std::int64_t ld, std::int64_t rows, std::int64_t c2,
                    std::uint16_t* const dn[2], std::int64_t ld_dn, std::uint16_t* const dnt[2],
                    std::int64_t c2p, std::int64_t ld_t, bool with_lo, int num_threads) {
   constexpr std::int64_t kBlock = 32;
   const int parts = with_lo ? 2 : 1;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
   for (std::int64_t c0 = 0; c0 < c2p; c0 += kBlock) {
-    for (std::int64_t r0 = 0; r0 < k; r0 += kBlock)
+    for (std::int64_t r0 = 0; r0 < rows; r0 += kBlock)
       for (std::int64_t c = c0; c < std::min(c2p, c0 + kBlock); ++c)
-        for (std::int64_t i = r0; i < std::min(k, r0 + kBlock); ++i) {
-          const float v = c < c2 && i < rows ? dnew[i * ld + c] : 0.0f;
+        for (std::int64_t i = r0; i < std::min(rows, r0 + kBlock); ++i) {
+          const float v = c < c2 ? dnew[i * ld + c] : 0.0f;
           const std::uint16_t hi = float_to_bf16(v);
           const float h = bf16_to_float(hi);
           const std::uint16_t lo = std::isfinite(h) ? float_to_bf16(v - h) : std::uint16_t{0};
           dnt[0][c * ld_t + i] = hi;
           if (parts == 2) dnt[1][c * ld_t + i] = lo;
-          if (c < c2 && i < rows) {
+          if (c < c2) {
             dn[0][i * ld_dn + c] = hi;
             if (parts == 2) dn[1][i * ld_dn + c] = lo;
           }
@@ -225,7 +224,7 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
         return {StatusCode::runtime_error, "[kvcomp] oneDNN reorder of x failed"};
       // hi (and lo in precise mode) of d_new, row-major and transposed.
       const int parts = parity ? 1 : 2;
-      split_to_bf16(buf.dnew, buf.ld_c2, n_pad, 2 * C, n_pad, buf.dn, buf.ld_dn, buf.dnt, buf.c2p, buf.ld_t,
+      split_to_bf16(buf.dnew, buf.ld_c2, n_pad, 2 * C, buf.dn, buf.ld_dn, buf.dnt, buf.c2p, buf.ld_t,
                     parts == 2, num_threads);
       // d_x rows = sum over parts of dn_kv . wkv + dn_score . wgate, in that order.
       const Bf16Shape dx = buf.dx_shape(d);
