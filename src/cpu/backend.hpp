@@ -1,4 +1,4 @@
-// The CPU backend as core/api.cpp sees it: its workspace sizes and the two
+// The CPU backend as api/api.cpp sees it: its workspace sizes and the two
 // operator drivers (cpu/forward.cpp, cpu/backward.cpp), chunked over token
 // rows, GEMMs through cpu/gemm, the block phases (cache writes, block
 // assembly, the walk over batches) through cpu/block_phases, io conversions
@@ -7,7 +7,7 @@
 
 #include <cstddef>
 
-#include "core/workspace.hpp"
+#include "common/workspace.hpp"
 #include "kvcomp/kvcomp.hpp"
 #include "plan/block_plan.hpp"
 

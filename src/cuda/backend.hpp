@@ -1,9 +1,9 @@
-// The CUDA backend as the shared code sees it (plain C++: no CUDA header
-// here, so core/ and validate/ compile with the host compiler). Only built
+// The CUDA backend as the entry points (api/api.cpp) see it (plain C++: no
+// CUDA header here, so api/ compiles with the host compiler). Only built
 // with KVCOMP_HAVE_CUDA.
 //
 // A call on a CUDA device goes: validate (shared rules; the index tensors are
-// copied to the host once, copy_index_to_host) -> prepare_* (the device copy
+// copied to the host once, through device_access()) -> prepare_* (the device copy
 // of the block plan, owned by the plan, and the workspace size) -> run_*
 // (kernels and cuBLASLt products queued on the caller's stream: nothing
 // allocated, no host synchronisation, so it can be captured in a CUDA graph).
@@ -15,20 +15,16 @@
 #include <utility>
 #include <vector>
 
+#include "common/device_access.hpp"
 #include "kvcomp/kvcomp.hpp"
 #include "plan/block_plan.hpp"
 
 namespace kvcomp::detail::cuda {
 
-// Every tensor of a call on CUDA device `dev`: the device exists, and each
-// non-empty tensor's pointer is memory that device can use (device or
-// managed memory of it, not a plain host pointer).
-Status check_device_memory(const std::vector<std::pair<const char*, const Tensor*>>& tensors, Device dev);
-
-// Planning waits for the stream (the index data is read on the host), which
-// a stream being captured into a CUDA graph cannot do: refused, saying to
-// plan before the capture.
-Status check_not_capturing(void* stream);
+// What validation needs of this backend's memory: device checks of a call's
+// tensors and the host copies of its index tensors (planning refuses a stream
+// being captured into a CUDA graph, since the copies wait for the stream).
+const DeviceAccess& device_access();
 
 // Execute queues on the plan's stream (Options::stream when planning): the
 // stream must be usable now. Refused: the legacy default stream while
@@ -37,10 +33,6 @@ Status check_not_capturing(void* stream);
 // invalidated. A capture on some other stream cannot be seen from here: the
 // work then runs at once, outside that graph (docs/cuda-design.md).
 Status check_execute_stream(void* stream);
-
-// Copies the int32 tensor t (on a CUDA device) into out: queued on `stream`,
-// then waits for it. Planning only.
-Status copy_index_to_host(const Tensor& t, void* stream, std::vector<std::int32_t>& out);
 
 // The block plan on the device and what the drivers need to walk it; built
 // when planning, read-only afterwards. Frees its device memory when the last

@@ -23,7 +23,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "core/workspace.hpp"
+#include "common/workspace.hpp"
 #include "cuda/chunk_plan.hpp"
 #include "cuda/gemm.hpp"
 #include "cuda/kernels.hpp"

@@ -3,13 +3,13 @@
 // drivers in tests/cuda calls them in loops, so their logic is tested on any
 // machine). The same formulas in the same order per element as the CPU
 // backend (cpu/block_phases.cpp with cpu/simd/body.inl; both round through
-// core/numerics.hpp). Include only from files compiled without
+// common/numerics.hpp). Include only from files compiled without
 // multiply-add contraction (nvcc --fmad=false, g++ -ffp-contract=off).
 #pragma once
 
 #include <cstdint>
 
-#include "core/numerics.hpp"
+#include "common/numerics.hpp"
 #include "cuda/kernels.hpp"
 
 namespace kvcomp::detail::cuda::body {

@@ -1,7 +1,7 @@
 // The CUDA backend's element-wise kernels: the operator logic between the
 // matrix products, the same formulas in the same order per element as the
 // CPU backend (cpu/block_phases.cpp with cpu/simd/body.inl; both round
-// through core/numerics.hpp), so a block's softmax, pooling and gradients
+// through common/numerics.hpp), so a block's softmax, pooling and gradients
 // give the CPU's bits for the same projections.
 //
 // One thread per column of a block (or of a row): every output element is

@@ -28,7 +28,6 @@ namespace kvcomp::detail::cuda {
 
 namespace {
 Status invalid(const std::string& msg) { return {StatusCode::invalid_param, "[kvcomp] " + msg}; }
-}  // namespace
 
 Status check_device_memory(const std::vector<std::pair<const char*, const Tensor*>>& tensors, Device dev) {
   const int count = cuda_device_count();
@@ -78,6 +77,8 @@ Status check_not_capturing(void* stream) {
       "and the Python package plan on every call)");
 }
 
+}  // namespace
+
 Status check_execute_stream(void* stream) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   const cudaError_t e = cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &capture);
@@ -96,6 +97,8 @@ Status check_execute_stream(void* stream) {
   return Status::success();
 }
 
+namespace {
+
 Status copy_index_to_host(const Tensor& t, void* stream, std::vector<std::int32_t>& out) {
   const std::int64_t n = t.numel();
   out.assign(static_cast<std::size_t>(std::max<std::int64_t>(n, 0)), 0);
@@ -110,6 +113,25 @@ Status copy_index_to_host(const Tensor& t, void* stream, std::vector<std::int32_
   if (cudaError_t e = cudaStreamSynchronize(s); e != cudaSuccess)
     return cuda_error("copying the index tensors to the host when planning", e);
   return Status::success();
+}
+
+// What validation needs of a CUDA device (common/device_access.hpp), as the functions above.
+class Access final : public DeviceAccess {
+ public:
+  Status check_memory(const NamedTensors& tensors, Device dev) const override {
+    return check_device_memory(tensors, dev);
+  }
+  Status check_not_capturing(void* stream) const override { return cuda::check_not_capturing(stream); }
+  Status copy_index_to_host(const Tensor& t, void* stream, std::vector<std::int32_t>& out) const override {
+    return cuda::copy_index_to_host(t, stream, out);
+  }
+};
+
+}  // namespace
+
+const DeviceAccess& device_access() {
+  static const Access access;
+  return access;
 }
 
 namespace {

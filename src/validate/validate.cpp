@@ -1,9 +1,5 @@
 #include "validate/validate.hpp"
 
-#ifdef KVCOMP_HAVE_CUDA
-#include "cuda/backend.hpp"
-#endif
-
 #include <algorithm>
 #include <limits>
 #include <sstream>
@@ -81,9 +77,9 @@ using Named = std::pair<const char*, const Tensor*>;
 
 // All tensors of a call live on one device, that of x; the call runs there.
 // Checked before any tensor's data is read (the data checks read the index
-// tensors through host pointers). A device this build cannot run on is
-// refused here too.
-Status check_devices(const std::vector<Named>& tensors) {
+// tensors through host pointers). A device this build cannot run on (no
+// DeviceAccess for it) is refused here too.
+Status check_devices(const std::vector<Named>& tensors, const DeviceAccess* device) {
   const auto where = [](const Device& d) {
     return d.type == DeviceType::cpu ? std::string("host memory") : "on " + device_name(d);
   };
@@ -96,13 +92,10 @@ Status check_devices(const std::vector<Named>& tensors) {
                    (host_mix ? ": a call's tensors are all in host memory or all on one CUDA device" : ""));
   }
   if (home.type == DeviceType::cuda) {
-#ifdef KVCOMP_HAVE_CUDA
-    return cuda::check_device_memory(tensors, home);
-#else
+    if (device) return device->check_memory(tensors, home);
     return invalid("x (= " + where(home) +
                    ") must be in host memory: this build of kvcomp has no CUDA backend (configure it with "
                    "-DKVCOMP_CUDA=ON and a CUDA 13 toolkit)");
-#endif
   }
   if (home.type != DeviceType::cpu)
     return invalid("x (= device type " + std::to_string(static_cast<int>(home.type)) +
@@ -139,15 +132,16 @@ bool is_io_dtype(DType dt, const Options& o) {
 // memory; for a CUDA call the host copies, fetched on first use.
 class IndexData {
  public:
-  IndexData(const SequenceArgs& a, const Options& o, const std::optional<Tensor>* table, IndexCopies* copies)
-      : a_(a), o_(o), table_(table), copies_(copies) {}
+  IndexData(const SequenceArgs& a, const Options& o, const std::optional<Tensor>* table, IndexCopies* copies,
+            const DeviceAccess* device)
+      : a_(a), o_(o), table_(table), copies_(copies), device_(device) {}
 
   Status load() {
     if (a_.x.device.type == DeviceType::cpu) return Status::success();
     if (!copies_) return invalid("x (= on " + device_name(a_.x.device) + ") must be planned by kvcomp");
     if (copies_->fetched) return Status::success();
-#ifdef KVCOMP_HAVE_CUDA
-    if (auto s = cuda::check_not_capturing(o_.stream); !s.ok()) return s;
+    if (!device_) return invalid("x (= on " + device_name(a_.x.device) + ") must be in host memory");
+    if (auto s = device_->check_not_capturing(o_.stream); !s.ok()) return s;
     const std::pair<const std::optional<Tensor>*, std::vector<std::int32_t>*> all[] = {
         {&a_.cu_seqlens, &copies_->cu_seqlens},
         {&a_.seqused, &copies_->seqused},
@@ -155,12 +149,9 @@ class IndexData {
         {table_, &copies_->block_table}};
     for (const auto& [t, dst] : all)
       if (t && *t)
-        if (auto s = cuda::copy_index_to_host(**t, o_.stream, *dst); !s.ok()) return s;
+        if (auto s = device_->copy_index_to_host(**t, o_.stream, *dst); !s.ok()) return s;
     copies_->fetched = true;
     return Status::success();
-#else
-    return invalid("x (= on " + device_name(a_.x.device) + ") must be in host memory");
-#endif
   }
   const std::int32_t* cu_seqlens() const { return get(a_.cu_seqlens, &IndexCopies::cu_seqlens); }
   const std::int32_t* seqused() const { return get(a_.seqused, &IndexCopies::seqused); }
@@ -175,9 +166,10 @@ class IndexData {
     return (copies_->*copy).data();
   }
   const SequenceArgs& a_;
-  [[maybe_unused]] const Options& o_;  // the stream of the copies (CUDA builds)
+  const Options& o_;  // the stream of the copies
   const std::optional<Tensor>* table_;
   IndexCopies* copies_;
+  const DeviceAccess* device_;
 };
 
 // Rules shared by both operators (SequenceArgs). Fills dims.
@@ -321,7 +313,8 @@ Status check_cache_tables(const ForwardArgs& a, const IndexData& idx, const Bloc
 
 }  // namespace
 
-Status validate_forward(const ForwardArgs& a, const Options& o, BlockPlan* plan, IndexCopies* copies) {
+Status validate_forward(const ForwardArgs& a, const Options& o, BlockPlan* plan, IndexCopies* copies,
+                        const DeviceAccess* device) {
   if (auto s = check_present("state_cache", a.state_cache); !s.ok()) return s;
   if (auto s = check_present("ape", a.ape); !s.ok()) return s;
   if (!a.state_block_table) return null_ptr("state_block_table");
@@ -338,7 +331,7 @@ Status validate_forward(const ForwardArgs& a, const Options& o, BlockPlan* plan,
   add_optional(on_device, "state_block_table", a.state_block_table);
   if (a.grad_enabled || a.softmax_score.data) on_device.emplace_back("softmax_score", &a.softmax_score);
   if (a.grad_enabled || a.kv.data) on_device.emplace_back("kv", &a.kv);
-  if (auto s = check_devices(on_device); !s.ok()) return s;
+  if (auto s = check_devices(on_device, device); !s.ok()) return s;
   Dims d;
   if (auto s = validate_sequence(a, o, true, &d); !s.ok()) return s;
   if (auto s = check_rank_dtype("state_cache", a.state_cache, DType::f32, 3); !s.ok()) return s;
@@ -391,7 +384,7 @@ Status validate_forward(const ForwardArgs& a, const Options& o, BlockPlan* plan,
                    shape_str(a.kv) + ") must have as many rows as cmp_kv (shape " + shape_str(a.cmp_kv) +
                    ")");
   }
-  IndexData idx(a, o, &a.state_block_table, copies);
+  IndexData idx(a, o, &a.state_block_table, copies, device);
   if (auto s = idx.load(); !s.ok()) return s;
   BlockPlan p;
   if (auto s = build_plan(idx, d, &p); !s.ok()) return s;
@@ -401,7 +394,8 @@ Status validate_forward(const ForwardArgs& a, const Options& o, BlockPlan* plan,
   return Status::success();
 }
 
-Status validate_backward(const BackwardArgs& a, const Options& o, BlockPlan* plan, IndexCopies* copies) {
+Status validate_backward(const BackwardArgs& a, const Options& o, BlockPlan* plan, IndexCopies* copies,
+                         const DeviceAccess* device) {
   const std::pair<const char*, const Tensor*> required[] = {{"d_cmp_kv", &a.d_cmp_kv},
                                                             {"softmax_score", &a.softmax_score},
                                                             {"kv", &a.kv},
@@ -420,7 +414,7 @@ Status validate_backward(const BackwardArgs& a, const Options& o, BlockPlan* pla
   add_optional(on_device, "cu_seqlens", a.cu_seqlens);
   add_optional(on_device, "seqused", a.seqused);
   add_optional(on_device, "start_pos", a.start_pos);
-  if (auto s = check_devices(on_device); !s.ok()) return s;
+  if (auto s = check_devices(on_device, device); !s.ok()) return s;
   Dims d;
   if (auto s = validate_sequence(a, o, false, &d); !s.ok()) return s;
   if (auto s = check_rank_dtype("d_cmp_kv", a.d_cmp_kv, d.io, a.x.rank); !s.ok()) return s;
@@ -465,7 +459,7 @@ Status validate_backward(const BackwardArgs& a, const Options& o, BlockPlan* pla
   } else if (auto s = check_shape("d_ape", a.d_ape, {d.r, d.C}); !s.ok()) {
     return s;
   }
-  IndexData idx(a, o, nullptr, copies);
+  IndexData idx(a, o, nullptr, copies, device);
   if (auto s = idx.load(); !s.ok()) return s;
   BlockPlan p;
   if (auto s = build_plan(idx, d, &p); !s.ok()) return s;

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/device_access.hpp"
 #include "kvcomp/kvcomp.hpp"
 #include "plan/block_plan.hpp"
 
@@ -29,10 +30,12 @@ struct IndexCopies {
 // Static checks (no data read except the int32 index tensors) and the block
 // plan. On success *plan describes the call. Index data is read through the
 // tensors' pointers for a call in host memory, through *copies for a call on
-// a CUDA device (required then).
+// a CUDA device (required then). device: the backend's access to device
+// memory (the entry points pass the CUDA backend's where the build has one);
+// a call on a CUDA device without it is refused as this build's limit.
 Status validate_forward(const ForwardArgs& args, const Options& options, BlockPlan* plan,
-                        IndexCopies* copies = nullptr);
+                        IndexCopies* copies = nullptr, const DeviceAccess* device = nullptr);
 Status validate_backward(const BackwardArgs& args, const Options& options, BlockPlan* plan,
-                         IndexCopies* copies = nullptr);
+                         IndexCopies* copies = nullptr, const DeviceAccess* device = nullptr);
 
 }  // namespace kvcomp::detail

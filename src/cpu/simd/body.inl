@@ -7,7 +7,7 @@
 //
 // Rules that keep the three variants bitwise equal: each element sees the
 // same operations in the same order; no FMA contraction (-ffp-contract=off);
-// no libm (exp_nonpositive, core/numerics.hpp, is plain arithmetic); selects
+// no libm (exp_nonpositive, common/numerics.hpp, is plain arithmetic); selects
 // instead of branches.
 
 #ifndef KVCOMP_SIMD_NS
@@ -17,7 +17,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "core/numerics.hpp"
+#include "common/numerics.hpp"
 #include "cpu/simd/kernels.hpp"
 
 namespace kvcomp::detail::KVCOMP_SIMD_NS {

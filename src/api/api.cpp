@@ -106,6 +106,15 @@ std::size_t BackwardPlan::workspace_size() const { return state_ ? state_->works
 
 namespace {
 
+// What validation may ask of device memory: the CUDA backend's access where this build has one.
+const detail::DeviceAccess* device_access() {
+#ifdef KVCOMP_HAVE_CUDA
+  return &detail::cuda::device_access();
+#else
+  return nullptr;
+#endif
+}
+
 int resolve_threads(const Options& o) { return o.num_threads > 0 ? o.num_threads : omp_get_max_threads(); }
 
 Status out_of_memory(const std::string& during) {
@@ -129,7 +138,7 @@ Status make_plan(const Args& args, const Options& options, const char* op, Valid
     st->args = args;
     st->options = options;
     detail::BlockPlan bp;
-    if (auto s = validate(args, options, &bp, &st->index); !s.ok()) return s;
+    if (auto s = validate(args, options, &bp, &st->index, device_access()); !s.ok()) return s;
     if (st->on_cuda()) {
       if (auto s = prepare(*st, bp); !s.ok()) return s;
     } else {
@@ -156,7 +165,7 @@ Status run_plan(State* st, const char* op, void* workspace, std::size_t workspac
   if (!workspace) return {StatusCode::null_pointer, "[kvcomp] workspace must not be null"};
   try {
     detail::BlockPlan bp;
-    if (auto s = validate(st->args, st->options, &bp, &st->index); !s.ok()) return s;
+    if (auto s = validate(st->args, st->options, &bp, &st->index, device_access()); !s.ok()) return s;
     return run(*st, bp, workspace);
   } catch (const std::bad_alloc&) {
     return out_of_memory(std::string("the ") + op);
