@@ -19,6 +19,7 @@
 # an error too.
 set -uo pipefail
 start=$(date +%s)
+source "$(dirname "$0")/stop-time.sh"
 here=${DEVICE_DIR:-$PWD/.device}  # the carried packages
 build_only=0
 if [[ ${1:-} == --build-only ]]; then
@@ -47,7 +48,7 @@ echo "[on-device] built in $(($(date +%s) - start)) s"
 stop_after=${STOP_AFTER:-420}
 left=$((stop_after - ($(date +%s) - start)))
 ((left > 30)) || { echo "[on-device] no time left for tests ($left s)"; exit 1; }
-stop=$(LC_ALL=C date -u -d "+$left sec" '+%d %b %Y %H:%M:%S GMT')
+stop=$(ctest_stop_time "$left")
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 echo "[on-device] ctest $* (stop at $stop, ${TEST_JOBS:-8} jobs, $OMP_NUM_THREADS OpenMP threads each)"
 # The backstop timeout only fires if ctest itself ignores its stop time.

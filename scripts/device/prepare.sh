@@ -14,5 +14,5 @@ mkdir -p .device/debs
   libgmock-dev googletest libbenchmark-dev libbenchmark1debian nlohmann-json3-dev libcli11-dev)
 # The project's own on-device.sh (KVCOMP_CUDA=ON, ctest --no-tests=error, a stop time so that each
 # call prints its summary inside its limit), not the shared folder's generic one.
-cp scripts/device/on-device.sh .device/on-device.sh
+cp scripts/device/on-device.sh scripts/device/stop-time.sh .device/
 du -sh .device
