@@ -1,3 +1,4 @@
+#include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -122,6 +123,7 @@ Status make_lt_plan(const LtCall& c, const PlanKey& key, cublasLtHandle_t handle
 // Bounded: a process cycling through many shapes starts over past this many
 // (plans in use stay alive through their shared_ptr).
 constexpr std::size_t kMaxCachedPlans = 512;
+std::atomic<std::size_t> g_plans_made{0};  // a counter for tests, not part of any result
 
 Status cached_lt_plan(const LtCall& c, const PlanKey& key, cublasLtHandle_t handle,
                       std::shared_ptr<const LtPlan>* out) {
@@ -136,6 +138,7 @@ Status cached_lt_plan(const LtCall& c, const PlanKey& key, cublasLtHandle_t hand
   }
   auto p = std::make_shared<LtPlan>();
   if (auto s = make_lt_plan(c, key, handle, p.get()); !s.ok()) return s;
+  g_plans_made.fetch_add(1, std::memory_order_relaxed);
   std::lock_guard<std::mutex> lock(mutex);
   if (plans.size() >= kMaxCachedPlans) plans.clear();
   *out = plans.emplace(key, std::move(p)).first->second;  // another thread's, if it came first
@@ -143,6 +146,8 @@ Status cached_lt_plan(const LtCall& c, const PlanKey& key, cublasLtHandle_t hand
 }
 
 }  // namespace
+
+std::size_t lt_plans_made() { return g_plans_made.load(std::memory_order_relaxed); }
 
 Status gemm(const GemmCall& g, void* workspace, std::size_t workspace_bytes, cudaStream_t stream,
             bool* no_algorithm) {

@@ -144,6 +144,10 @@ constexpr std::size_t kGemmWorkspace = std::size_t{32} << 20;
 Status gemm(const GemmCall& g, void* workspace, std::size_t workspace_bytes, cudaStream_t stream,
             bool* no_algorithm = nullptr);
 
+// How many product plans (descriptors + one heuristic query) this process has made: one per distinct
+// shape, however often it runs (tests/cuda/test_gemm_cache.cpp).
+std::size_t lt_plans_made();
+
 // Whether the products run split-K (KVCOMP_CUDA_PRODUCTS=splitk; read once
 // per process; anything else, or unset: one cuBLASLt call per product).
 bool split_k_products();
