@@ -138,11 +138,20 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
       const void* b_gate = buf.packed_gate ? buf.packed_gate : args.wgate.data;
       bool ok = true;
       if (gemm_row_stable()) {
-        const std::int64_t n_pad = bf16_padded_rows(n);
+        // Few rows (decode): padded to 2 in column tiles where the kernel's rows allow it
+        // (bf16_short_rows_stable), else to whole 64-row tiles; either gives a row the same bits.
+        const std::int64_t n_short = std::max<std::int64_t>(n, 2);
+        const bool short_rows =
+            n_short < kBf16TileRows * std::max(num_threads, 1) && bf16_short_rows_stable(shape, n_short);
+        const std::int64_t n_pad = short_rows ? n_short : bf16_padded_rows(n);
         std::memcpy(buf.xb, x_rows, static_cast<std::size_t>(n * H) * sizeof(std::uint16_t));
         std::memset(buf.xb + n * H, 0, static_cast<std::size_t>((n_pad - n) * H) * sizeof(std::uint16_t));
-        ok = gemm_bf16(shape, n_pad, buf.xb, b_kv, rows, false, num_threads) &&
-             gemm_bf16(shape, n_pad, buf.xb, b_gate, rows + C, false, num_threads);
+        if (short_rows)
+          ok = gemm_bf16_rows(shape, n_pad, buf.xb, b_kv, rows, false, num_threads) &&
+               gemm_bf16_rows(shape, n_pad, buf.xb, b_gate, rows + C, false, num_threads);
+        else
+          ok = gemm_bf16(shape, n_pad, buf.xb, b_kv, rows, false, num_threads) &&
+               gemm_bf16(shape, n_pad, buf.xb, b_gate, rows + C, false, num_threads);
       } else {  // KVCOMP_ROW_STABLE=0: the chunk's rows as they are, column tiles (decode-bound serving)
         const auto* xs = static_cast<const std::uint16_t*>(static_cast<const void*>(x_rows));
         ok = gemm_bf16_rows(shape, n, xs, b_kv, rows, false, num_threads) &&

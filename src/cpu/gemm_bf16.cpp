@@ -265,6 +265,22 @@ bool gemm_bf16(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a, const
   });
 }
 
+bool bf16_short_rows_stable(const Bf16Shape& s, std::int64_t M) {
+  if (M < 2) return false;
+  try {
+    const TilePrimitive* base = tile_primitive(s, false);
+    if (!base->in_place) return false;
+    const auto jit = [](const TilePrimitive* t) {
+      return std::strcmp(t->pd.impl_info_str(), "gemm:jit") == 0;
+    };
+    const std::int64_t cols = std::min(kBf16TileCols, s.N);
+    return jit(base) && jit(tile_primitive(s, false, M, cols)) &&
+           (s.N % cols == 0 || jit(tile_primitive(s, false, M, s.N % cols)));
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
 bool gemm_bf16_rows(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a, const void* b, float* c,
                     bool accumulate, int num_threads) {
   if (M <= 0 || s.N <= 0) return true;

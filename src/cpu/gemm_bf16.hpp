@@ -22,7 +22,9 @@
 // a row of C in the same order whatever the tile's height (a multiple of
 // kBf16TileRows), so a row's result depends neither on the thread count nor
 // on the other rows of the call (tests/python/test_products.py and
-// test_row_stability.py check both on the machine they run on).
+// test_row_stability.py check both on the machine they run on). Decode-sized
+// forward calls pad to 2 rows instead, in column tiles, where the kernel
+// allows it (bf16_short_rows_stable).
 #pragma once
 
 #include <cstddef>
@@ -114,5 +116,14 @@ constexpr std::int64_t kBf16TileCols = 256;
 // result may depend on M.
 bool gemm_bf16_rows(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a, const void* b, float* c,
                     bool accumulate, int num_threads);
+
+// Whether a row-stable call of M rows (M >= 2, no padding to a whole tile) may run as
+// gemm_bf16_rows: where B is read in place and oneDNN's kernel for these shapes is its jit gemm
+// (AVX512-BF16 without AMX, e.g. Zen 4), a row's sums depend neither on M (from 2 rows: a one-row
+// call takes a gemv path that sums differently) nor on the column tile, so M rows give the bits
+// that any taller call gives them (measured with oneDNN 2.6.3 on Zen 4, K 96 to 7168; checked on
+// each machine by tests/python/test_row_stability.py and test_products.py). Decode-sized calls
+// then pad to 2 rows instead of 64. False elsewhere (AMX: packed B, 64-row tiles).
+bool bf16_short_rows_stable(const Bf16Shape& s, std::int64_t M);
 
 }  // namespace kvcomp::detail

@@ -72,3 +72,27 @@ def test_sequence_alone_or_after_others(coff, other):
     out2, dx2 = run([xa, xb])
     assert torch.equal(out1, out2)
     assert torch.equal(dx1, dx2)
+
+
+@pytest.mark.parametrize("coff", [1, 2])
+@pytest.mark.parametrize("B", [1, 3, 70])
+def test_decode_token_by_token_equals_one_call(coff, B):
+    """B sequences prefilled in one call, and the same sequences decoded one token per call (B rows a
+    call: the one-row and few-row products of decode against the 1024-row chunks of the prefill): the
+    state cache and every closed block's output bit for bit."""
+    wkv, wgate, ape = _weights(coff)
+    T, bs = 1031, 8  # a prefill of two chunks
+    cols = -(-T // bs)
+    x = torch.randn(B, T, H, generator=torch.Generator().manual_seed(B)).bfloat16()
+    steps = 13  # the last `steps` tokens decoded, the rest prefilled
+    table = torch.arange(1, B * cols + 1, dtype=torch.int32).reshape(B, cols)
+    cache = torch.zeros(B * cols + 1, bs, 2 * coff * D)
+    whole = kt.compressor(x, wkv, wgate, cache, ape, R, state_block_table=table, coff=coff)
+    cache2 = torch.zeros_like(cache)
+    kt.compressor(x[:, :T - steps], wkv, wgate, cache2, ape, R, state_block_table=table, coff=coff)
+    for t in range(T - steps, T):
+        out = kt.compressor(x[:, t:t + 1], wkv, wgate, cache2, ape, R, state_block_table=table, coff=coff,
+                            start_pos=torch.full((B,), t, dtype=torch.int32))
+        if (t + 1) % R == 0:  # this token closed block t // R of every sequence
+            assert torch.equal(out[:, 0], whole[:, t // R])
+    assert torch.equal(cache, cache2)
