@@ -42,12 +42,18 @@ void backward_blocks(const BlockPlan& plan, const BackwardBlockInputs& in, std::
   const DType parity = npu_parity ? dm.io : DType::f32;
   const auto* dcmp = static_cast<const unsigned char*>(in.d_cmp_kv);
   const std::size_t io_size = dtype_size(dm.io);
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (std::int64_t slice = 0; slice < slices(dm); ++slice) {
-    const std::int64_t d0 = slice * kSlice, w = std::min(D, d0 + kSlice) - d0;
+  // As in forward_blocks: each thread owns a contiguous run of column slices and does all of them for
+  // one block before the next, so the block's saved rows are read once per thread. A column's dape sums
+  // keep their order (blocks in order), and no two threads share a column.
+#pragma omp parallel num_threads(block_phase_threads(dm, num_threads))
+  {
+    const std::int64_t ns = slices(dm), nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    const std::int64_t col_lo = std::min(D, ns * tid / nt * kSlice);
+    const std::int64_t col_hi = std::min(D, ns * (tid + 1) / nt * kSlice);
     float dc[kSlice];
     double wsum[kSlice];
-    for (std::size_t bi = first; bi < plan.batches.size() && plan.batches[bi].base < b; ++bi) {
+    for (std::size_t bi = first; col_lo < col_hi && bi < plan.batches.size() && plan.batches[bi].base < b;
+         ++bi) {
       const BatchSpan& s = plan.batches[bi];
       if (s.nblocks == 0) continue;
       LocalRange lr = local_range(s, a, b);
@@ -57,23 +63,26 @@ void backward_blocks(const BlockPlan& plan, const BackwardBlockInputs& in, std::
       const std::int64_t k_last = std::min(s.k0 + s.nblocks - 1, (lr.hi - 1 + s.sp) / r + (coff - 1));
       for (std::int64_t k = k_first; k <= k_last; ++k) {
         const std::int64_t orow = s.out_row + (k - s.k0);
-        const float* S = in.softmax_score + orow * cr * D + d0;
-        const float* K = in.kv + orow * cr * D + d0;
-        kern.to_f32(dcmp + static_cast<std::size_t>(orow * D + d0) * io_size, dm.io, dc, w);
-        // w = sum_j S_j K_j over every row of the block (cache rows included):
-        // products of two floats are exact in float64 and the sum of at most
-        // 2048 of them loses ~11 bits of 53, far below fp32 resolution.
-        kern.block_dot(S, K, cr, D, w, wsum);
-        for (std::int64_t t = 0; t < r; ++t) {
-          for (std::int64_t c = 0; c < coff; ++c) {
-            const std::int64_t pos = slot_position(dm, k, c, t);
-            if (pos < s.sp) continue;  // cache or placeholder row: no gradient (spec 2.3)
-            const std::int64_t tok = pos - s.sp;
-            if (tok < lr.lo || tok >= lr.hi) continue;
-            const std::int64_t j = t * coff + c;
-            float* kv_out = dnew + (s.base + tok - a) * ld_dnew + c * D + d0;
-            kern.slot_grad(S + j * D, K + j * D, dc, wsum, w, parity, kv_out, kv_out + C,
-                           dape + t * C + c * D + d0);
+        for (std::int64_t d0 = col_lo; d0 < col_hi; d0 += kSlice) {
+          const std::int64_t w = std::min(D, d0 + kSlice) - d0;
+          const float* S = in.softmax_score + orow * cr * D + d0;
+          const float* K = in.kv + orow * cr * D + d0;
+          kern.to_f32(dcmp + static_cast<std::size_t>(orow * D + d0) * io_size, dm.io, dc, w);
+          // w = sum_j S_j K_j over every row of the block (cache rows included):
+          // products of two floats are exact in float64 and the sum of at most
+          // 2048 of them loses ~11 bits of 53, far below fp32 resolution.
+          kern.block_dot(S, K, cr, D, w, wsum);
+          for (std::int64_t t = 0; t < r; ++t) {
+            for (std::int64_t c = 0; c < coff; ++c) {
+              const std::int64_t pos = slot_position(dm, k, c, t);
+              if (pos < s.sp) continue;  // cache or placeholder row: no gradient (spec 2.3)
+              const std::int64_t tok = pos - s.sp;
+              if (tok < lr.lo || tok >= lr.hi) continue;
+              const std::int64_t j = t * coff + c;
+              float* kv_out = dnew + (s.base + tok - a) * ld_dnew + c * D + d0;
+              kern.slot_grad(S + j * D, K + j * D, dc, wsum, w, parity, kv_out, kv_out + C,
+                             dape + t * C + c * D + d0);
+            }
           }
         }
       }
@@ -105,7 +114,7 @@ void forward_blocks(const BlockPlan& plan, const ForwardBlockIo& io, std::int64_
   const std::size_t first = first_batch_ending_after(plan, a);
   const SimdKernels& kern = simd_kernels();
   const std::size_t io_size = dtype_size(dm.io);
-#pragma omp parallel num_threads(forward_block_threads(dm, num_threads))
+#pragma omp parallel num_threads(block_phase_threads(dm, num_threads))
   {
     // This thread's scratch, carved from the workspace (no allocation here:
     // an exception cannot leave an OpenMP region).
@@ -114,49 +123,64 @@ void forward_blocks(const BlockPlan& plan, const ForwardBlockIo& io, std::int64_
     double* e = reinterpret_cast<double*>(scratch);
     const float** src_kv = reinterpret_cast<const float**>(e + cr * kSlice);
     const float** src_sc = src_kv + cr;
-#pragma omp for schedule(static)
-    for (std::int64_t slice = 0; slice < slices(dm); ++slice) {
-      const std::int64_t d0 = slice * kSlice, d1 = std::min(D, d0 + kSlice), w = d1 - d0;
-      for (std::size_t bi = first; bi < plan.batches.size() && plan.batches[bi].base < b; ++bi) {
-        const BatchSpan& s = plan.batches[bi];
-        const std::int64_t batch = static_cast<std::int64_t>(bi);
-        const LocalRange lr = local_range(s, a, b);
-        // 1. Cache writes of this batch's tokens in the chunk (spec 1.3).
-        const std::int64_t write_from = io.cache_mode == 1 ? s.sp : std::max(s.sp, s.limit - (coff - 1) * r);
-        for (std::int64_t tok = lr.lo; tok < std::min(lr.hi, s.used); ++tok) {
-          const std::int64_t pos = s.sp + tok;
-          if (pos < write_from) continue;
-          float* slot = cache_slot(io, batch, pos, true);
-          if (!slot) continue;
-          const float* src = io.proj + (s.base + tok - io.proj_first) * io.proj_ld;
-          for (std::int64_t c = 0; c < coff; ++c)
-            for (std::int64_t i = d0; i < d1; ++i) {
-              slot[c * D + i] = src[c * D + i];
-              slot[C + c * D + i] = src[C + c * D + i];
+    const float** row_kv = src_sc + cr;  // the block's rows at column 0
+    const float** row_sc = row_kv + cr;
+    // Each thread owns a contiguous run of column slices and walks the batches and their blocks once,
+    // doing all of its slices of a block before the next block: a block's rows (cached rows lie 4 KiB or
+    // more apart) are then visited once per thread, not once per slice as in a slice-outer order, which
+    // touched every cached row of a closing decode call 32 times at D = 512. A column's operations keep
+    // their order (batches in order, a batch's cache writes before its blocks read), and no two threads
+    // share a column, so the outputs are bitwise those of any thread count.
+    const std::int64_t ns = slices(dm), nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    const std::int64_t col_lo = std::min(D, ns * tid / nt * kSlice);
+    const std::int64_t col_hi = std::min(D, ns * (tid + 1) / nt * kSlice);
+    for (std::size_t bi = first; col_lo < col_hi && bi < plan.batches.size() && plan.batches[bi].base < b;
+         ++bi) {
+      const BatchSpan& s = plan.batches[bi];
+      const std::int64_t batch = static_cast<std::int64_t>(bi);
+      const LocalRange lr = local_range(s, a, b);
+      // 1. Cache writes of this batch's tokens in the chunk (spec 1.3).
+      const std::int64_t write_from = io.cache_mode == 1 ? s.sp : std::max(s.sp, s.limit - (coff - 1) * r);
+      for (std::int64_t tok = lr.lo; tok < std::min(lr.hi, s.used); ++tok) {
+        const std::int64_t pos = s.sp + tok;
+        if (pos < write_from) continue;
+        float* slot = cache_slot(io, batch, pos, true);
+        if (!slot) continue;
+        const float* src = io.proj + (s.base + tok - io.proj_first) * io.proj_ld;
+        for (std::int64_t c = 0; c < coff; ++c)
+          for (std::int64_t i = col_lo; i < col_hi; ++i) {
+            slot[c * D + i] = src[c * D + i];
+            slot[C + c * D + i] = src[C + c * D + i];
+          }
+      }
+      // 2. Blocks whose last cur row lies in the chunk.
+      if (s.nblocks == 0) continue;
+      const std::int64_t k_first = std::max(s.k0, (lr.lo + s.sp) / r);
+      const std::int64_t k_last = std::min(s.k0 + s.nblocks - 1, (lr.hi + s.sp) / r - 1);
+      for (std::int64_t k = k_first; k <= k_last; ++k) {
+        const std::int64_t orow = s.out_row + (k - s.k0);
+        for (std::int64_t t = 0; t < r; ++t)
+          for (std::int64_t c = 0; c < coff; ++c) {
+            const std::int64_t j = t * coff + c;
+            const std::int64_t pos = slot_position(dm, k, c, t);
+            if (pos < 0) {  // no history: a placeholder with softmax weight exactly 0
+              row_kv[j] = row_sc[j] = nullptr;
+            } else if (pos < s.sp) {
+              const float* slot = cache_slot(io, batch, pos, false);
+              row_kv[j] = slot + c * D;
+              row_sc[j] = slot + C + c * D;
+            } else {
+              const float* row = io.proj + (s.base + pos - s.sp - io.proj_first) * io.proj_ld;
+              row_kv[j] = row + c * D;
+              row_sc[j] = row + C + c * D;
             }
-        }
-        // 2. Blocks whose last cur row lies in the chunk.
-        if (s.nblocks == 0) continue;
-        const std::int64_t k_first = std::max(s.k0, (lr.lo + s.sp) / r);
-        const std::int64_t k_last = std::min(s.k0 + s.nblocks - 1, (lr.hi + s.sp) / r - 1);
-        for (std::int64_t k = k_first; k <= k_last; ++k) {
-          const std::int64_t orow = s.out_row + (k - s.k0);
-          for (std::int64_t t = 0; t < r; ++t)
-            for (std::int64_t c = 0; c < coff; ++c) {
-              const std::int64_t j = t * coff + c;
-              const std::int64_t pos = slot_position(dm, k, c, t);
-              if (pos < 0) {  // no history: a placeholder with softmax weight exactly 0
-                src_kv[j] = src_sc[j] = nullptr;
-              } else if (pos < s.sp) {
-                const float* slot = cache_slot(io, batch, pos, false);
-                src_kv[j] = slot + c * D + d0;
-                src_sc[j] = slot + C + c * D + d0;
-              } else {
-                const float* row = io.proj + (s.base + pos - s.sp - io.proj_first) * io.proj_ld;
-                src_kv[j] = row + c * D + d0;
-                src_sc[j] = row + C + c * D + d0;
-              }
-            }
+          }
+        for (std::int64_t d0 = col_lo; d0 < col_hi; d0 += kSlice) {
+          const std::int64_t w = std::min(D, d0 + kSlice) - d0;
+          for (std::int64_t j = 0; j < cr; ++j) {
+            src_kv[j] = row_kv[j] ? row_kv[j] + d0 : nullptr;
+            src_sc[j] = row_sc[j] ? row_sc[j] + d0 : nullptr;
+          }
           // Softmax over the rows of the block, per column, in float64.
           float* s_out = io.softmax_score ? io.softmax_score + orow * cr * D + d0 : nullptr;
           float* k_out = io.kv ? io.kv + orow * cr * D + d0 : nullptr;
@@ -170,14 +194,14 @@ void forward_blocks(const BlockPlan& plan, const ForwardBlockIo& io, std::int64_
   }
 }
 
-int forward_block_threads(const Dims& d, int num_threads) {
+int block_phase_threads(const Dims& d, int num_threads) {
   return static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(num_threads, slices(d))));
 }
 
 std::size_t forward_scratch_bytes(const Dims& d) {
   const std::int64_t cr = d.coff * d.r;
   const std::size_t bytes = static_cast<std::size_t>(cr * kSlice) * sizeof(double) +
-                            2 * static_cast<std::size_t>(cr) * sizeof(const float*);
+                            4 * static_cast<std::size_t>(cr) * sizeof(const float*);
   return (bytes + 63) / 64 * 64;
 }
 

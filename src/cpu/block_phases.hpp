@@ -48,14 +48,14 @@ struct ForwardBlockIo {
   void* cmp_kv = nullptr;          // io dtype [out_rows, D]
   float* softmax_score = nullptr;  // may be null
   float* kv = nullptr;             // may be null
-  // Scratch: forward_scratch_bytes() for each of forward_block_threads() threads.
+  // Scratch: forward_scratch_bytes() for each of block_phase_threads() threads.
   void* scratch = nullptr;
 };
 
 // Per-thread scratch bytes of forward_blocks (a multiple of 64).
 std::size_t forward_scratch_bytes(const Dims& d);
-// Threads forward_blocks uses: num_threads, at most one per column slice.
-int forward_block_threads(const Dims& d, int num_threads);
+// Threads forward_blocks and backward_blocks use: num_threads, at most one per column slice.
+int block_phase_threads(const Dims& d, int num_threads);
 
 // Adds ape to the score projections of used tokens of rows [a, b).
 void add_ape(const BlockPlan& plan, const float* ape, float* proj, std::int64_t proj_first,

@@ -51,7 +51,7 @@ struct ForwardBuffers {
     }
     proj = ws.take<float>((d.coff * d.r + Rp) * ld_c2);
     scratch = ws.take<unsigned char>(static_cast<std::int64_t>(forward_scratch_bytes(d)) *
-                                     forward_block_threads(d, num_threads));
+                                     block_phase_threads(d, num_threads));
     size = ws.size();
   }
 };
