@@ -330,3 +330,27 @@ def reference_grads(case, d_cmp_kv, compute_dtype, round_grad_to=None, pinned=No
     loss = loss + sum(0.0 * t.sum() for t in leaves)
     loss.backward()
     return out.detach(), dict(zip(GRAD_NAMES, (t.grad for t in leaves))), cache
+
+
+def kvcomp_intermediates(case):
+    """softmax_score, kv of the forward operator (deterministic: the same the autograd run saves), the
+    intermediates at which spec 7.3 pathway 1 differentiates the goldens (reference_grads(pinned=))."""
+    import kvcomp.torch  # noqa: F401  (registers torch.ops.kvcomp)
+
+    k = case.kwargs()
+    _, softmax_score, kv = torch.ops.kvcomp.compressor_forward(
+        case.x,
+        case.wkv,
+        case.wgate,
+        case.state_cache.clone(),
+        case.ape,
+        k["state_block_table"],
+        k["cu_seqlens"],
+        k["seqused"],
+        k["start_pos"],
+        case.cmp_ratio,
+        case.coff,
+        case.cache_mode,
+        True,
+    )
+    return softmax_score, kv

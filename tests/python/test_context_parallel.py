@@ -17,7 +17,7 @@ import kvcomp.torch as kt
 from cp_common import make_cp_case, token_rows
 from spawn import free_port, run_workers
 from kvcomp.compare import three_way
-from support import reference_grads
+from support import kvcomp_intermediates, reference_grads
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cp_worker.py")
 TIMEOUT_S = 240
@@ -106,6 +106,16 @@ def check_case(name, spec, ranks, world):
     # 3. Summed weight gradients against the oracle (spec 7.2 three-way), and close to the single call.
     _, grads_c, _ = reference_grads(case, upstream, torch.float64)
     _, grads_b, _ = reference_grads(case, upstream, torch.float32, round_grad_to=case.x.dtype)
+    # d_ape is judged in fp32, where the fp32 rounding of the forward's intermediates (K, S) weighs as
+    # much as the backward's own error: its goldens differentiate at the single call's intermediates
+    # (spec 7.3 pathway 1), so that rounding is common to A, B and C. Unpinned, A against an fp32 golden
+    # whose forward rounds differently is a coin toss on these small cases: module_th_contig_c2 has a
+    # MERE ratio of 2.14 on an Intel Xeon and passed on an AMD EPYC, with a total equal to the single
+    # call's bit for bit.
+    pinned = kvcomp_intermediates(case)
+    grads_c["d_ape"] = reference_grads(case, upstream, torch.float64, pinned=pinned)[1]["d_ape"]
+    grads_b["d_ape"] = reference_grads(case, upstream, torch.float32, round_grad_to=case.x.dtype,
+                                       pinned=pinned)[1]["d_ape"]
     for n in ("d_wkv", "d_wgate", "d_ape"):
         total_g = sum(res[name][n].float() for res in ranks)
         key = "fp32" if n == "d_ape" else "bf16"

@@ -12,7 +12,7 @@ import torch
 import kvcomp
 import kvcomp.torch as kt
 from kvcomp.compare import three_way, two_way
-from support import DEVICES, GRAD_NAMES, IO_DTYPES, make_case, on_device, reference_grads
+from support import DEVICES, GRAD_NAMES, IO_DTYPES, kvcomp_intermediates, make_case, on_device, reference_grads
 
 SWEEP = {
     "bsh_c1_r4": dict(lens=[12, 12], r=4, coff=1),
@@ -48,27 +48,6 @@ def run_kvcomp(case, d_cmp_kv, requires=(True, True, True, True)):
     if out.requires_grad:
         out.backward(d_cmp_kv)
     return out.detach(), dict(zip(GRAD_NAMES, (t.grad for t in leaves))), cache
-
-
-def kvcomp_intermediates(case):
-    """softmax_score, kv of the forward operator (deterministic: the same the autograd run saves)."""
-    k = case.kwargs()
-    _, softmax_score, kv = torch.ops.kvcomp.compressor_forward(
-        case.x,
-        case.wkv,
-        case.wgate,
-        case.state_cache.clone(),
-        case.ape,
-        k["state_block_table"],
-        k["cu_seqlens"],
-        k["seqused"],
-        k["start_pos"],
-        case.cmp_ratio,
-        case.coff,
-        case.cache_mode,
-        True,
-    )
-    return softmax_score, kv
 
 
 def io_ulp(t, dtype):
