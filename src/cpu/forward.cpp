@@ -16,7 +16,7 @@ struct ForwardBuffers {
   float* wcat = nullptr;     // [2C, ld_h]: wkv rows then wgate rows, fp32 (fp32 products only)
   float* xf = nullptr;       // [Rp, ld_h]: the chunk's x rows in fp32, zero rows up to the GEMM's padded M
   float* proj;    // [coff*r + Rp, ld_c2]: projections (kv | score+ape) of the chunk and the rows before it
-  void* scratch;  // forward_scratch_bytes(d) for each thread of forward_blocks
+  void* scratch;  // forward_scratch_bytes() for each thread of forward_blocks
   // bf16 products (gemm_bf16.hpp), when x is bf16 and the CPU has bf16 units:
   bool bf16 = false;
   bool ok = true;
@@ -50,8 +50,9 @@ struct ForwardBuffers {
       xf = ws.take<float>(Rp * ld_h);
     }
     proj = ws.take<float>((d.coff * d.r + Rp) * ld_c2);
-    scratch = ws.take<unsigned char>(static_cast<std::int64_t>(forward_scratch_bytes(d)) *
-                                     block_phase_threads(d, num_threads));
+    const int block_threads = block_phase_threads(d, num_threads);
+    scratch = ws.take<unsigned char>(static_cast<std::int64_t>(forward_scratch_bytes(d, block_threads)) *
+                                     block_threads);
     size = ws.size();
   }
 };

@@ -161,7 +161,7 @@ SoftmaxRun run_softmax(const SimdKernels& kern, const Block& b, i64 w, bool plac
   r.s_out.assign(static_cast<std::size_t>(b.cr * b.ld), -7.0f);
   r.k_out.assign(r.s_out.size(), -7.0f);
   r.cmp.assign(static_cast<std::size_t>(kSlice), -7.0f);
-  std::vector<double> e(static_cast<std::size_t>(b.cr * kSlice));
+  std::vector<double> e(static_cast<std::size_t>((b.cr + 1) * kSlice));
   kern.block_softmax(sc.data(), kv.data(), b.cr, w, e.data(), r.s_out.data(), r.k_out.data(), b.ld,
                      r.cmp.data(), io);
   return r;

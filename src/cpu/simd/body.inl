@@ -113,16 +113,19 @@ template <i64 kW>
 void block_softmax_impl(const float* const* sc, const float* const* kv, i64 cr, i64 w_rt, double* e,
                         float* s_out, float* k_out, i64 ld_out, void* cmp, DType io) {
   const i64 w = kW > 0 ? kW : w_rt;
-  double mx[kSlice], sum[kSlice] = {}, out[kSlice] = {};
-  for (i64 i = 0; i < kSlice; ++i) mx[i] = -__builtin_inf();
+  // The loops below are written so that GCC vectorises each over the slice's columns once it has
+  // unrolled them: the maximum in float (the largest of some floats is one of them, so the same value
+  // as in float64), and the weighted sum accumulated in memory (e's last row) rather than in a local
+  // array that the compiler splits into scalars.
+  float mxf[kSlice];
+  for (i64 i = 0; i < kSlice; ++i) mxf[i] = -__builtin_inff();
   for (i64 j = 0; j < cr; ++j) {
     const float* s = sc[j];
     if (!s) continue;
-    for (i64 i = 0; i < w; ++i) {
-      const double v = s[i];
-      mx[i] = v > mx[i] ? v : mx[i];  // NaN never wins (as fmax)
-    }
+    for (i64 i = 0; i < w; ++i) mxf[i] = s[i] > mxf[i] ? s[i] : mxf[i];  // NaN never wins (as fmax)
   }
+  double mx[kSlice], sum[kSlice] = {};
+  for (i64 i = 0; i < kSlice; ++i) mx[i] = static_cast<double>(mxf[i]);
   for (i64 j = 0; j < cr; ++j) {
     double* ej = e + j * kSlice;
     const float* s = sc[j];
@@ -139,6 +142,8 @@ void block_softmax_impl(const float* const* sc, const float* const* kv, i64 cr, 
   // float64, far below the fp32 the weights are stored in.
   double inv[kSlice];
   for (i64 i = 0; i < w; ++i) inv[i] = 1.0 / sum[i];
+  double* out = e + cr * kSlice;
+  for (i64 i = 0; i < kSlice; ++i) out[i] = 0.0;
   for (i64 j = 0; j < cr; ++j) {
     const double* ej = e + j * kSlice;
     const float* k = kv[j];
@@ -149,12 +154,15 @@ void block_softmax_impl(const float* const* sc, const float* const* kv, i64 cr, 
       for (i64 i = 0; ko && i < w; ++i) ko[i] = 0.0f;
       continue;
     }
-    double sj[kSlice];
-    for (i64 i = 0; i < w; ++i) {
-      sj[i] = ej[i] * inv[i];
-      out[i] += sj[i] * static_cast<double>(k[i]);
+    double sj[kSlice], kd[kSlice];
+    for (i64 i = 0; i < w; ++i) kd[i] = static_cast<double>(k[i]);
+    for (i64 i = 0; i < w; ++i) sj[i] = ej[i] * inv[i];
+    for (i64 i = 0; i < w; ++i) out[i] += sj[i] * kd[i];
+    if (so) {
+      float sf[kSlice];
+      for (i64 i = 0; i < w; ++i) sf[i] = static_cast<float>(sj[i]);
+      for (i64 i = 0; i < w; ++i) so[i] = sf[i];
     }
-    for (i64 i = 0; so && i < w; ++i) so[i] = static_cast<float>(sj[i]);
     for (i64 i = 0; ko && i < w; ++i) ko[i] = k[i];
   }
   float outf[kSlice];
