@@ -332,17 +332,15 @@ def reference_grads(case, d_cmp_kv, compute_dtype, round_grad_to=None, pinned=No
     return out.detach(), dict(zip(GRAD_NAMES, (t.grad for t in leaves))), cache
 
 
-def kvcomp_intermediates(case):
-    """softmax_score, kv of the forward operator (deterministic: the same the autograd run saves), the
-    intermediates at which spec 7.3 pathway 1 differentiates the goldens (reference_grads(pinned=))."""
-    import kvcomp.torch  # noqa: F401  (registers torch.ops.kvcomp)
-
+def forward_op_args(case, cache):
+    """The positional arguments of the forward op (torch.ops.kvcomp.compressor_forward, and the
+    upstream schema's _compressor_forward) before grad_enabled, with `cache` as the state cache."""
     k = case.kwargs()
-    _, softmax_score, kv = torch.ops.kvcomp.compressor_forward(
+    return (
         case.x,
         case.wkv,
         case.wgate,
-        case.state_cache.clone(),
+        cache,
         case.ape,
         k["state_block_table"],
         k["cu_seqlens"],
@@ -351,6 +349,14 @@ def kvcomp_intermediates(case):
         case.cmp_ratio,
         case.coff,
         case.cache_mode,
-        True,
     )
+
+
+def kvcomp_intermediates(case):
+    """softmax_score, kv of the forward operator (deterministic: the same the autograd run saves), the
+    intermediates at which spec 7.3 pathway 1 differentiates the goldens (reference_grads(pinned=))."""
+    import kvcomp.torch  # noqa: F401  (registers torch.ops.kvcomp)
+
+    args = forward_op_args(case, case.state_cache.clone())
+    _, softmax_score, kv = torch.ops.kvcomp.compressor_forward(*args, True)
     return softmax_score, kv

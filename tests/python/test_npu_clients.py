@@ -26,7 +26,7 @@ import kvcomp
 import kvcomp.npu_compat as npu_compat
 import kvcomp.torch as kt
 from kvcomp.compare import two_way
-from support import DEVICES, make_case, on_device, reference_forward
+from support import DEVICES, forward_op_args, make_case, on_device, reference_forward
 from test_torch_op import assert_close_to_truth, io_ulp
 
 PKG = "cann_ops_transformer"
@@ -398,24 +398,6 @@ def _op_cases():
     }
 
 
-def _fwd_args(case, cache):
-    k = case.kwargs()
-    return (
-        case.x,
-        case.wkv,
-        case.wgate,
-        cache,
-        case.ape,
-        k["state_block_table"],
-        k["cu_seqlens"],
-        k["seqused"],
-        k["start_pos"],
-        case.cmp_ratio,
-        case.coff,
-        case.cache_mode,
-    )
-
-
 def _bwd_tail(case):
     k = case.kwargs()
     return (k["cu_seqlens"], k["seqused"], k["start_pos"], case.cmp_ratio, case.coff)
@@ -464,11 +446,11 @@ def test_upstream_ops_are_kvcomps_kernels_and_pass_opcheck(stand_in, layout, dev
     case = on_device(_op_cases()[layout], device)
     ops = torch.ops.cann_ops_transformer
     cache_a, cache_b = case.state_cache.clone(), case.state_cache.clone()
-    cmp_kv, s, kv = ops._compressor_forward(*_fwd_args(case, cache_a), True)
-    ref = torch.ops.kvcomp.compressor_forward(*_fwd_args(case, cache_b), True)
+    cmp_kv, s, kv = ops._compressor_forward(*forward_op_args(case, cache_a), True)
+    ref = torch.ops.kvcomp.compressor_forward(*forward_op_args(case, cache_b), True)
     assert all(torch.equal(a, b) for a, b in zip((cmp_kv, s, kv), ref)) and torch.equal(cache_a, cache_b)
     # Without grad_enabled the intermediates keep upstream's shapes (zeros: the NPU leaves them unwritten).
-    cmp_kv0, s0, kv0 = ops._compressor_forward(*_fwd_args(case, case.state_cache.clone()), False)
+    cmp_kv0, s0, kv0 = ops._compressor_forward(*forward_op_args(case, case.state_cache.clone()), False)
     assert torch.equal(cmp_kv0, cmp_kv) and s0.shape == s.shape and kv0.shape == kv.shape
     assert s0.dtype == kv0.dtype == torch.float32 and not s0.any() and not kv0.any()
 
@@ -478,7 +460,7 @@ def test_upstream_ops_are_kvcomps_kernels_and_pass_opcheck(stand_in, layout, dev
     assert all(torch.equal(a, b) for a, b in zip(grads, torch.ops.kvcomp.compressor_backward(*bwd_args)))
 
     for grad_enabled in (False, True):
-        fwd_args = _fwd_args(case, case.state_cache.clone()) + (grad_enabled,)
+        fwd_args = forward_op_args(case, case.state_cache.clone()) + (grad_enabled,)
         torch.library.opcheck(ops._compressor_forward.default, fwd_args)
     torch.library.opcheck(ops._compressor_backward.default, bwd_args)
 
@@ -489,7 +471,7 @@ def test_upstream_ops_are_kvcomps_kernels_and_pass_opcheck(stand_in, layout, dev
     out.backward(d)
     for grad_enabled in (True, False):
         params = [t.clone().requires_grad_() for t in (case.x, case.wkv, case.wgate, case.ape)]
-        args = list(_fwd_args(case, case.state_cache.clone()))
+        args = list(forward_op_args(case, case.state_cache.clone()))
         args[0:3], args[4] = params[:3], params[3]
         ops._compressor_forward(*args, grad_enabled)[0].backward(d)
         for p, q in zip(params, leaves):
@@ -503,7 +485,7 @@ def test_upstream_ops_are_kvcomps_kernels_and_pass_opcheck(stand_in, layout, dev
 def test_compile_fullgraph_over_the_upstream_ops(stand_in, layout):
     case = _op_cases()[layout]
     ops = torch.ops.cann_ops_transformer
-    tail = _fwd_args(case, None)[5:]
+    tail = forward_op_args(case, None)[5:]
 
     def autograd_step(x, wkv, wgate, ape, cache, target):
         cmp_kv, _, _ = ops._compressor_forward(x, wkv, wgate, cache, ape, *tail, True)
@@ -514,7 +496,7 @@ def test_compile_fullgraph_over_the_upstream_ops(stand_in, layout):
         dout = (2 * (cmp_kv.float() - target)).to(cmp_kv.dtype)
         return ops._compressor_backward(dout, x, wkv, wgate, s, kv, *_bwd_tail(case))
 
-    probe = ops._compressor_forward(*_fwd_args(case, case.state_cache.clone()), False)[0]
+    probe = ops._compressor_forward(*forward_op_args(case, case.state_cache.clone()), False)[0]
     target = torch.randn(probe.shape, generator=torch.Generator().manual_seed(3))
 
     def run_autograd(step):
