@@ -265,6 +265,25 @@ bool gemm_bf16(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a, const
   });
 }
 
+namespace {
+
+// The column tiles of an M-row product: tiles of kBf16TileCols columns where B is read in place (a
+// column block of B is a plain matrix too), one tile over all columns where it is packed (its blocked
+// layout is not ours to cut). Throws what tile_primitive throws.
+struct ColumnTiles {
+  std::int64_t cols;
+  const TilePrimitive* full;  // a tile of `cols` columns
+  const TilePrimitive* last;  // the last tile (`full` where cols divides N)
+};
+
+ColumnTiles column_tiles(const Bf16Shape& s, bool accumulate, std::int64_t M) {
+  const std::int64_t cols = tile_primitive(s, false)->in_place ? std::min(kBf16TileCols, s.N) : s.N;
+  const TilePrimitive* full = tile_primitive(s, accumulate, M, cols);
+  return {cols, full, s.N % cols ? tile_primitive(s, accumulate, M, s.N % cols) : full};
+}
+
+}  // namespace
+
 bool bf16_short_rows_stable(const Bf16Shape& s, std::int64_t M) {
   if (M < 2) return false;
   try {
@@ -273,9 +292,8 @@ bool bf16_short_rows_stable(const Bf16Shape& s, std::int64_t M) {
     const auto jit = [](const TilePrimitive* t) {
       return std::strcmp(t->pd.impl_info_str(), "gemm:jit") == 0;
     };
-    const std::int64_t cols = std::min(kBf16TileCols, s.N);
-    return jit(base) && jit(tile_primitive(s, false, M, cols)) &&
-           (s.N % cols == 0 || jit(tile_primitive(s, false, M, s.N % cols)));
+    const ColumnTiles t = column_tiles(s, false, M);  // the tiles gemm_bf16_rows runs
+    return jit(base) && jit(t.full) && jit(t.last);
   } catch (const std::exception&) {
     return false;
   }
@@ -284,18 +302,15 @@ bool bf16_short_rows_stable(const Bf16Shape& s, std::int64_t M) {
 bool gemm_bf16_rows(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a, const void* b, float* c,
                     bool accumulate, int num_threads) {
   if (M <= 0 || s.N <= 0) return true;
-  // Column tiles where B is read in place (a column block of B is a plain matrix too); one tile over
-  // all columns where it is packed (its blocked layout is not ours to cut).
-  std::int64_t cols = s.N;
-  const TilePrimitive* full = nullptr;
-  const TilePrimitive* last = nullptr;
+  ColumnTiles t{};
   try {
-    if (tile_primitive(s, false)->in_place) cols = std::min(kBf16TileCols, s.N);
-    full = tile_primitive(s, accumulate, M, cols);
-    last = s.N % cols ? tile_primitive(s, accumulate, M, s.N % cols) : full;
+    t = column_tiles(s, accumulate, M);
   } catch (const std::exception&) {
     return false;
   }
+  const std::int64_t cols = t.cols;
+  const TilePrimitive* full = t.full;
+  const TilePrimitive* last = t.last;
   const auto* bb = static_cast<const std::uint16_t*>(b);
   return run_tiles((s.N + cols - 1) / cols, full, last, num_threads, [&](std::int64_t i) {
     const std::int64_t n0 = i * cols;
