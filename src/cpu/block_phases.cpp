@@ -3,7 +3,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <cstring>
 
 #include "cpu/simd/kernels.hpp"
 
@@ -12,6 +11,16 @@ namespace kvcomp::detail {
 namespace {
 
 std::int64_t slices(const Dims& d) { return (d.D + kSlice - 1) / kSlice; }
+
+// The columns [lo, hi) of D this thread of an OpenMP team owns: a contiguous run of whole slices (empty
+// for a thread beyond the slice count).
+struct ColumnRun {
+  std::int64_t lo, hi;
+};
+ColumnRun thread_columns(const Dims& d) {
+  const std::int64_t ns = slices(d), nt = omp_get_num_threads(), tid = omp_get_thread_num();
+  return {std::min(d.D, ns * tid / nt * kSlice), std::min(d.D, ns * (tid + 1) / nt * kSlice)};
+}
 
 // Token range [lo, hi) of batch `s` (local indices) inside rows [a, b).
 struct LocalRange {
@@ -48,9 +57,7 @@ void backward_blocks(const BlockPlan& plan, const BackwardBlockInputs& in, std::
   // keep their order (blocks in order), and no two threads share a column.
 #pragma omp parallel num_threads(block_phase_threads(dm, num_threads))
   {
-    const std::int64_t ns = slices(dm), nt = omp_get_num_threads(), tid = omp_get_thread_num();
-    const std::int64_t col_lo = std::min(D, ns * tid / nt * kSlice);
-    const std::int64_t col_hi = std::min(D, ns * (tid + 1) / nt * kSlice);
+    const auto [col_lo, col_hi] = thread_columns(dm);
     float dc[kSlice];
     double wsum[kSlice];
     for (std::size_t bi = first; col_lo < col_hi && bi < plan.batches.size() && plan.batches[bi].base < b;
@@ -119,26 +126,18 @@ void forward_blocks(const BlockPlan& plan, const ForwardBlockIo& io, std::int64_
   {
     // This thread's scratch, carved from the workspace (no allocation here:
     // an exception cannot leave an OpenMP region).
-    const int nthreads = block_phase_threads(dm, num_threads);
     auto* scratch = static_cast<unsigned char*>(io.scratch) +
-                    static_cast<std::size_t>(omp_get_thread_num()) * forward_scratch_bytes(dm, nthreads);
+                    static_cast<std::size_t>(omp_get_thread_num()) * forward_scratch_bytes(dm);
     double* e = reinterpret_cast<double*>(scratch);
     const float** src_kv = reinterpret_cast<const float**>(e + (cr + 1) * kSlice);
     const float** src_sc = src_kv + cr;
     const float** row_kv = src_sc + cr;  // the block's rows at this thread's first column
     const float** row_sc = row_kv + cr;
-    float* gathered = reinterpret_cast<float*>(row_sc + cr);  // [cr][2][ncols]: cached rows, see below
     // Each thread owns a contiguous run of column slices and walks the batches and their blocks once,
     // doing all of its slices of a block before the next block. A column's operations keep their
     // order (batches in order, a batch's cache writes before its blocks read), and no two threads
     // share a column, so the outputs are bitwise those of any thread count.
-    const std::int64_t ns = slices(dm), nt = omp_get_num_threads(), tid = omp_get_thread_num();
-    const std::int64_t col_lo = std::min(D, ns * tid / nt * kSlice);
-    const std::int64_t col_hi = std::min(D, ns * (tid + 1) / nt * kSlice);
-    const std::int64_t ncols = col_hi - col_lo;
-    // Fewer threads than planned (a nested region runs one) own more columns than the scratch holds:
-    // they read the cached rows in place.
-    const bool gather = ncols <= (ns + nthreads - 1) / nthreads * kSlice;
+    const auto [col_lo, col_hi] = thread_columns(dm);
     for (std::size_t bi = first; col_lo < col_hi && bi < plan.batches.size() && plan.batches[bi].base < b;
          ++bi) {
       const BatchSpan& s = plan.batches[bi];
@@ -170,17 +169,6 @@ void forward_blocks(const BlockPlan& plan, const ForwardBlockIo& io, std::int64_
             const std::int64_t pos = slot_position(dm, k, c, t);
             if (pos < 0) {  // no history: a placeholder with softmax weight exactly 0
               row_kv[j] = row_sc[j] = nullptr;
-            } else if (pos < s.sp && gather) {
-              // A cached row: this thread's columns copied to scratch first, in one sweep per row.
-              // The rows of one block lie a slot (4 KiB and more) apart, and the softmax reads them
-              // one 64-byte slice at a time, which no hardware prefetcher follows.
-              const float* slot = cache_slot(io, batch, pos, false);
-              float* g = gathered + j * 2 * ncols;
-              std::memcpy(g, slot + c * D + col_lo, static_cast<std::size_t>(ncols) * sizeof(float));
-              std::memcpy(g + ncols, slot + C + c * D + col_lo,
-                          static_cast<std::size_t>(ncols) * sizeof(float));
-              row_kv[j] = g;
-              row_sc[j] = g + ncols;
             } else if (pos < s.sp) {
               const float* slot = cache_slot(io, batch, pos, false);
               row_kv[j] = slot + c * D + col_lo;
@@ -214,13 +202,10 @@ int block_phase_threads(const Dims& d, int num_threads) {
   return static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(num_threads, slices(d))));
 }
 
-std::size_t forward_scratch_bytes(const Dims& d, int num_threads) {
+std::size_t forward_scratch_bytes(const Dims& d) {
   const std::int64_t cr = d.coff * d.r;
-  const std::int64_t nt = std::max(1, num_threads);
-  const std::int64_t ncols = (slices(d) + nt - 1) / nt * kSlice;  // the most columns a thread owns
   const std::size_t bytes = static_cast<std::size_t>((cr + 1) * kSlice) * sizeof(double) +
-                            4 * static_cast<std::size_t>(cr) * sizeof(const float*) +
-                            static_cast<std::size_t>(cr * 2 * ncols) * sizeof(float);
+                            4 * static_cast<std::size_t>(cr) * sizeof(const float*);
   return (bytes + 63) / 64 * 64;
 }
 

@@ -52,9 +52,8 @@ struct ForwardBlockIo {
   void* scratch = nullptr;
 };
 
-// Per-thread scratch bytes of forward_blocks run on num_threads = block_phase_threads() threads (a
-// multiple of 64).
-std::size_t forward_scratch_bytes(const Dims& d, int num_threads);
+// Per-thread scratch bytes of forward_blocks (a multiple of 64).
+std::size_t forward_scratch_bytes(const Dims& d);
 // Threads forward_blocks and backward_blocks use: num_threads, at most one per column slice.
 int block_phase_threads(const Dims& d, int num_threads);
 

@@ -50,9 +50,8 @@ struct ForwardBuffers {
       xf = ws.take<float>(Rp * ld_h);
     }
     proj = ws.take<float>((d.coff * d.r + Rp) * ld_c2);
-    const int block_threads = block_phase_threads(d, num_threads);
-    scratch = ws.take<unsigned char>(static_cast<std::int64_t>(forward_scratch_bytes(d, block_threads)) *
-                                     block_threads);
+    scratch = ws.take<unsigned char>(static_cast<std::int64_t>(forward_scratch_bytes(d)) *
+                                     block_phase_threads(d, num_threads));
     size = ws.size();
   }
 };

@@ -308,14 +308,11 @@ bool gemm_bf16_rows(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a, 
   } catch (const std::exception&) {
     return false;
   }
-  const std::int64_t cols = t.cols;
-  const TilePrimitive* full = t.full;
-  const TilePrimitive* last = t.last;
   const auto* bb = static_cast<const std::uint16_t*>(b);
-  return run_tiles((s.N + cols - 1) / cols, full, last, num_threads, [&](std::int64_t i) {
-    const std::int64_t n0 = i * cols;
-    const std::uint16_t* b_tile = cols == s.N ? bb : s.b_transposed ? bb + n0 * s.ldb : bb + n0;
-    return Tile{n0 + cols <= s.N ? full : last, a, b_tile, c + n0};
+  return run_tiles((s.N + t.cols - 1) / t.cols, t.full, t.last, num_threads, [&](std::int64_t i) {
+    const std::int64_t n0 = i * t.cols;
+    const std::uint16_t* b_tile = t.cols == s.N ? bb : s.b_transposed ? bb + n0 * s.ldb : bb + n0;
+    return Tile{n0 + t.cols <= s.N ? t.full : t.last, a, b_tile, c + n0};
   });
 }
 
