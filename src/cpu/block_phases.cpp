@@ -129,7 +129,7 @@ void forward_blocks(const BlockPlan& plan, const ForwardBlockIo& io, std::int64_
     auto* scratch = static_cast<unsigned char*>(io.scratch) +
                     static_cast<std::size_t>(omp_get_thread_num()) * forward_scratch_bytes(dm);
     double* e = reinterpret_cast<double*>(scratch);
-    const float** src_kv = reinterpret_cast<const float**>(e + (cr + 1) * kSlice);
+    const float** src_kv = reinterpret_cast<const float**>(e + (cr + 1) * kSoftmaxChunk);
     const float** src_sc = src_kv + cr;
     const float** row_kv = src_sc + cr;  // the block's rows at this thread's first column
     const float** row_sc = row_kv + cr;
@@ -179,8 +179,8 @@ void forward_blocks(const BlockPlan& plan, const ForwardBlockIo& io, std::int64_
               row_sc[j] = row + C + c * D + col_lo;
             }
           }
-        for (std::int64_t d0 = col_lo; d0 < col_hi; d0 += kSlice) {
-          const std::int64_t w = std::min(D, d0 + kSlice) - d0;
+        for (std::int64_t d0 = col_lo; d0 < col_hi; d0 += kSoftmaxChunk) {
+          const std::int64_t w = std::min(col_hi, d0 + kSoftmaxChunk) - d0;
           for (std::int64_t j = 0; j < cr; ++j) {
             src_kv[j] = row_kv[j] ? row_kv[j] + (d0 - col_lo) : nullptr;
             src_sc[j] = row_sc[j] ? row_sc[j] + (d0 - col_lo) : nullptr;
@@ -204,7 +204,7 @@ int block_phase_threads(const Dims& d, int num_threads) {
 
 std::size_t forward_scratch_bytes(const Dims& d) {
   const std::int64_t cr = d.coff * d.r;
-  const std::size_t bytes = static_cast<std::size_t>((cr + 1) * kSlice) * sizeof(double) +
+  const std::size_t bytes = static_cast<std::size_t>((cr + 1) * kSoftmaxChunk) * sizeof(double) +
                             4 * static_cast<std::size_t>(cr) * sizeof(const float*);
   return (bytes + 63) / 64 * 64;
 }

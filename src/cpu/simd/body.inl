@@ -109,43 +109,53 @@ void to_f32(const void* src, DType dt, float* dst, i64 n) {
   }
 }
 
+// Software prefetch of the cache lines of row[0, w) (a hint; null: nothing).
+constexpr i64 kRowsAhead = 4;
+inline void prefetch_run(const float* row, i64 w) {
+  for (i64 i = 0; row && i < w; i += kSlice) __builtin_prefetch(row + i);
+}
+
 template <i64 kW>
 void block_softmax_impl(const float* const* sc, const float* const* kv, i64 cr, i64 w_rt, double* e,
                         float* s_out, float* k_out, i64 ld_out, void* cmp, DType io) {
+  constexpr i64 kN = kSoftmaxChunk;
   const i64 w = kW > 0 ? kW : w_rt;
-  // The loops below are written so that GCC vectorises each over the slice's columns once it has
-  // unrolled them: the maximum in float (the largest of some floats is one of them, so the same value
-  // as in float64), and the weighted sum accumulated in memory (e's last row) rather than in a local
-  // array that the compiler splits into scalars.
-  float mxf[kSlice];
-  for (i64 i = 0; i < kSlice; ++i) mxf[i] = -__builtin_inff();
+  // Each pass walks the rows in order and each row's columns as one run. Per column the operations
+  // and their order are those of a column on its own: the maximum (in float: the largest of some
+  // floats is one of them, so the same value as in float64), exponentials and their sum, one
+  // division, then the weighted sum in row order.
+  float mxf[kN];
+  for (i64 i = 0; i < w; ++i) mxf[i] = -__builtin_inff();
   for (i64 j = 0; j < cr; ++j) {
+    // The rows lie a page or more apart: fetch a few rows ahead, so that their misses overlap.
+    if (j + kRowsAhead < cr) prefetch_run(sc[j + kRowsAhead], w);
     const float* s = sc[j];
     if (!s) continue;
     for (i64 i = 0; i < w; ++i) mxf[i] = s[i] > mxf[i] ? s[i] : mxf[i];  // NaN never wins (as fmax)
   }
-  double mx[kSlice], sum[kSlice] = {};
-  for (i64 i = 0; i < kSlice; ++i) mx[i] = static_cast<double>(mxf[i]);
+  double* sum = e + cr * kN;  // e's last row: the sums, then the pooled row
+  for (i64 i = 0; i < w; ++i) sum[i] = 0.0;
   for (i64 j = 0; j < cr; ++j) {
-    double* ej = e + j * kSlice;
+    double* ej = e + j * kN;
+    prefetch_run(kv[j], w);  // read by the last pass; the exponentials hide the misses
     const float* s = sc[j];
     if (!s) {
       for (i64 i = 0; i < w; ++i) ej[i] = 0.0;
       continue;
     }
     for (i64 i = 0; i < w; ++i) {
-      ej[i] = exp_nonpositive(static_cast<double>(s[i]) - mx[i]);
+      ej[i] = exp_nonpositive(static_cast<double>(s[i]) - static_cast<double>(mxf[i]));
       sum[i] += ej[i];
     }
   }
   // One division per column, then products: within 1 ulp of e / sum in
   // float64, far below the fp32 the weights are stored in.
-  double inv[kSlice];
+  double inv[kN];
   for (i64 i = 0; i < w; ++i) inv[i] = 1.0 / sum[i];
-  double* out = e + cr * kSlice;
-  for (i64 i = 0; i < kSlice; ++i) out[i] = 0.0;
+  double* out = sum;
+  for (i64 i = 0; i < w; ++i) out[i] = 0.0;
   for (i64 j = 0; j < cr; ++j) {
-    const double* ej = e + j * kSlice;
+    const double* ej = e + j * kN;
     const float* k = kv[j];
     float* so = s_out ? s_out + j * ld_out : nullptr;
     float* ko = k_out ? k_out + j * ld_out : nullptr;
@@ -154,25 +164,19 @@ void block_softmax_impl(const float* const* sc, const float* const* kv, i64 cr, 
       for (i64 i = 0; ko && i < w; ++i) ko[i] = 0.0f;
       continue;
     }
-    double sj[kSlice], kd[kSlice];
-    for (i64 i = 0; i < w; ++i) kd[i] = static_cast<double>(k[i]);
-    for (i64 i = 0; i < w; ++i) sj[i] = ej[i] * inv[i];
-    for (i64 i = 0; i < w; ++i) out[i] += sj[i] * kd[i];
-    if (so) {
-      float sf[kSlice];
-      for (i64 i = 0; i < w; ++i) sf[i] = static_cast<float>(sj[i]);
-      for (i64 i = 0; i < w; ++i) so[i] = sf[i];
-    }
+    for (i64 i = 0; i < w; ++i) out[i] += (ej[i] * inv[i]) * static_cast<double>(k[i]);
+    for (i64 i = 0; so && i < w; ++i) so[i] = static_cast<float>(ej[i] * inv[i]);
     for (i64 i = 0; ko && i < w; ++i) ko[i] = k[i];
   }
-  float outf[kSlice];
+  float outf[kN];
   for (i64 i = 0; i < w; ++i) outf[i] = static_cast<float>(out[i]);
   from_f32(outf, cmp, io, w);
 }
 
 void block_softmax(const float* const* sc, const float* const* kv, i64 cr, i64 w, double* e, float* s_out,
                    float* k_out, i64 ld_out, void* cmp, DType io) {
-  if (w == kSlice) return block_softmax_impl<kSlice>(sc, kv, cr, w, e, s_out, k_out, ld_out, cmp, io);
+  if (w == kSoftmaxChunk)
+    return block_softmax_impl<kSoftmaxChunk>(sc, kv, cr, w, e, s_out, k_out, ld_out, cmp, io);
   block_softmax_impl<0>(sc, kv, cr, w, e, s_out, k_out, ld_out, cmp, io);
 }
 

@@ -18,6 +18,10 @@ namespace kvcomp::detail {
 // Columns per work item of the block phases: a multiple of the widest SIMD
 // register in floats, and one 64-byte cache line of fp32.
 inline constexpr std::int64_t kSlice = 16;
+// Columns per call of the forward's block softmax: a whole number of slices, wide enough that each row
+// of a block is read as one run of cache lines (the rows lie a page or more apart, and a run per row is
+// what the hardware prefetchers follow), small enough that the block's exponentials stay in L2.
+inline constexpr std::int64_t kSoftmaxChunk = 16 * kSlice;
 
 struct SimdKernels {
   Isa isa;
@@ -30,11 +34,12 @@ struct SimdKernels {
   // (npu_parity); ape[i] += dz.
   void (*slot_grad)(const float* S, const float* K, const float* dc, const double* wsum, std::int64_t w,
                     DType parity, float* dk_out, float* dz_out, double* ape);
-  // Softmax over the cr rows of one block for w <= kSlice columns, in
-  // float64. sc[j] / kv[j]: the rows (already offset to the slice), nullptr
+  // Softmax over the cr rows of one block for w <= kSoftmaxChunk columns, in
+  // float64. sc[j] / kv[j]: the rows (already offset to the chunk), nullptr
   // for a placeholder row (weight exactly 0). Writes softmax_score / kv rows
   // (s_out / k_out with row stride ld_out, either may be null) and the
-  // pooled row to cmp (io dtype). e: scratch of (cr + 1) * kSlice doubles.
+  // pooled row to cmp (io dtype). e: scratch of (cr + 1) * kSoftmaxChunk
+  // doubles.
   void (*block_softmax)(const float* const* sc, const float* const* kv, std::int64_t cr, std::int64_t w,
                         double* e, float* s_out, float* k_out, std::int64_t ld_out, void* cmp, DType io);
   // io dtype <-> fp32, n elements (round to nearest even when narrowing).
