@@ -231,12 +231,12 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
       const void* b_wkv = buf.packed_wkv ? buf.packed_wkv : args.wkv.data;
       const void* b_wgate = buf.packed_wgate ? buf.packed_wgate : args.wgate.data;
       for (int part = 0; part < parts; ++part)
-        if (!gemm_bf16(dx, n_pad, buf.dn[part], b_wkv, buf.dxf, part > 0, num_threads) ||
-            !gemm_bf16(dx, n_pad, buf.dn[part] + C, b_wgate, buf.dxf, true, num_threads))
+        if (!gemm_bf16(dx, n_pad, buf.dn[part], {{{b_wkv, buf.dxf}}}, part > 0, num_threads) ||
+            !gemm_bf16(dx, n_pad, buf.dn[part] + C, {{{b_wgate, buf.dxf}}}, true, num_threads))
           return {StatusCode::runtime_error, "[kvcomp] oneDNN bf16 matmul for d_x failed"};
       // [d_wkv ; d_wgate] += dnt . x, hi then lo.
       for (int part = 0; part < parts; ++part)
-        if (!gemm_bf16(dw, buf.c2p, buf.dnt[part], buf.packed_x ? buf.packed_x : buf.xb, buf.dwcat,
+        if (!gemm_bf16(dw, buf.c2p, buf.dnt[part], {{{buf.packed_x ? buf.packed_x : buf.xb, buf.dwcat}}},
                        dw_written || part > 0, num_threads))
           return {StatusCode::runtime_error, "[kvcomp] oneDNN bf16 matmul for d_wkv/d_wgate failed"};
     } else {

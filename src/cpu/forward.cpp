@@ -132,10 +132,10 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
         static_cast<const unsigned char*>(args.x.data) + static_cast<std::size_t>(a * H) * io_size;
     if (buf.bf16) {
       // [new_kv | new_score] = x . [wkv ; wgate]^T on the bf16 units: the chunk's rows in whole
-      // tiles (zero rows after them), two products into the two column halves.
+      // tiles (zero rows after them), two products into the two column halves, in one team.
       const Bf16Shape shape = buf.bf16_shape(d);
-      const void* b_kv = buf.packed_kv ? buf.packed_kv : args.wkv.data;
-      const void* b_gate = buf.packed_gate ? buf.packed_gate : args.wgate.data;
+      const Bf16Target both[] = {{buf.packed_kv ? buf.packed_kv : args.wkv.data, rows},
+                                 {buf.packed_gate ? buf.packed_gate : args.wgate.data, rows + C}};
       bool ok = true;
       if (gemm_row_stable()) {
         // Few rows (decode): padded to 2 in column tiles where the kernel's rows allow it
@@ -146,16 +146,11 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
         const std::int64_t n_pad = short_rows ? n_short : bf16_padded_rows(n);
         std::memcpy(buf.xb, x_rows, static_cast<std::size_t>(n * H) * sizeof(std::uint16_t));
         std::memset(buf.xb + n * H, 0, static_cast<std::size_t>((n_pad - n) * H) * sizeof(std::uint16_t));
-        if (short_rows)
-          ok = gemm_bf16_rows(shape, n_pad, buf.xb, b_kv, rows, false, num_threads) &&
-               gemm_bf16_rows(shape, n_pad, buf.xb, b_gate, rows + C, false, num_threads);
-        else
-          ok = gemm_bf16(shape, n_pad, buf.xb, b_kv, rows, false, num_threads) &&
-               gemm_bf16(shape, n_pad, buf.xb, b_gate, rows + C, false, num_threads);
+        ok = short_rows ? gemm_bf16_rows(shape, n_pad, buf.xb, both, false, num_threads)
+                        : gemm_bf16(shape, n_pad, buf.xb, both, false, num_threads);
       } else {  // KVCOMP_ROW_STABLE=0: the chunk's rows as they are, column tiles (decode-bound serving)
         const auto* xs = static_cast<const std::uint16_t*>(static_cast<const void*>(x_rows));
-        ok = gemm_bf16_rows(shape, n, xs, b_kv, rows, false, num_threads) &&
-             gemm_bf16_rows(shape, n, xs, b_gate, rows + C, false, num_threads);
+        ok = gemm_bf16_rows(shape, n, xs, both, false, num_threads);
       }
       if (!ok) return {StatusCode::runtime_error, "[kvcomp] oneDNN bf16 matmul for the projections failed"};
     } else {

@@ -235,9 +235,9 @@ bool run_tiles(std::int64_t tiles, const TilePrimitive* full, const TilePrimitiv
 
 }  // namespace
 
-bool gemm_bf16(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a, const void* b, float* c,
-               bool accumulate, int num_threads) {
-  if (M <= 0 || s.N <= 0) return true;
+bool gemm_bf16(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
+               std::span<const Bf16Target> targets, bool accumulate, int num_threads) {
+  if (M <= 0 || s.N <= 0 || targets.empty()) return true;
   if (M % kBf16TileRows != 0) return false;
   const TilePrimitive* full = nullptr;
   const TilePrimitive* last = nullptr;
@@ -260,9 +260,13 @@ bool gemm_bf16(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a, const
   } catch (const std::exception&) {
     return false;
   }
-  return run_tiles((M + unit - 1) / unit, full, last, num_threads, [&](std::int64_t i) {
-    return Tile{(i + 1) * unit <= M ? full : last, a + i * unit * s.lda, b, c + i * unit * s.ldc};
-  });
+  const std::int64_t per = (M + unit - 1) / unit;  // tiles of one target
+  return run_tiles(
+      per * static_cast<std::int64_t>(targets.size()), full, last, num_threads, [&](std::int64_t i) {
+        const Bf16Target& x = targets[static_cast<std::size_t>(i / per)];
+        const std::int64_t r = i % per;
+        return Tile{(r + 1) * unit <= M ? full : last, a + r * unit * s.lda, x.b, x.c + r * unit * s.ldc};
+      });
 }
 
 namespace {
@@ -299,21 +303,24 @@ bool bf16_short_rows_stable(const Bf16Shape& s, std::int64_t M) {
   }
 }
 
-bool gemm_bf16_rows(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a, const void* b, float* c,
-                    bool accumulate, int num_threads) {
-  if (M <= 0 || s.N <= 0) return true;
+bool gemm_bf16_rows(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
+                    std::span<const Bf16Target> targets, bool accumulate, int num_threads) {
+  if (M <= 0 || s.N <= 0 || targets.empty()) return true;
   ColumnTiles t{};
   try {
     t = column_tiles(s, accumulate, M);
   } catch (const std::exception&) {
     return false;
   }
-  const auto* bb = static_cast<const std::uint16_t*>(b);
-  return run_tiles((s.N + t.cols - 1) / t.cols, t.full, t.last, num_threads, [&](std::int64_t i) {
-    const std::int64_t n0 = i * t.cols;
-    const std::uint16_t* b_tile = t.cols == s.N ? bb : s.b_transposed ? bb + n0 * s.ldb : bb + n0;
-    return Tile{n0 + t.cols <= s.N ? t.full : t.last, a, b_tile, c + n0};
-  });
+  const std::int64_t per = (s.N + t.cols - 1) / t.cols;  // tiles of one target
+  return run_tiles(
+      per * static_cast<std::int64_t>(targets.size()), t.full, t.last, num_threads, [&](std::int64_t i) {
+        const Bf16Target& x = targets[static_cast<std::size_t>(i / per)];
+        const auto* bb = static_cast<const std::uint16_t*>(x.b);
+        const std::int64_t n0 = i % per * t.cols;
+        const std::uint16_t* b_tile = t.cols == s.N ? bb : s.b_transposed ? bb + n0 * s.ldb : bb + n0;
+        return Tile{n0 + t.cols <= s.N ? t.full : t.last, a, b_tile, x.c + n0};
+      });
 }
 
 }  // namespace kvcomp::detail

@@ -29,6 +29,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 
 namespace kvcomp::detail {
 
@@ -98,12 +99,19 @@ struct Bf16PackJob {
 // if oneDNN failed.
 bool bf16_pack_b(const Bf16Shape& s, const Bf16PackJob* jobs, int count, int num_threads);
 
-// C[M, N] = A . B, or C += A . B when accumulate; b is the packed copy, or B
-// itself when packed_bytes is 0. M must be a multiple of kBf16TileRows (the
-// caller pads A with zero rows and gives C room for them). False if oneDNN
-// failed.
-bool gemm_bf16(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a, const void* b, float* c,
-               bool accumulate, int num_threads);
+// One product of a call on a shared A: its B (the packed copy, or B itself when packed_bytes is 0)
+// and its C.
+struct Bf16Target {
+  const void* b = nullptr;
+  float* c = nullptr;
+};
+
+// C[M, N] = A . B, or C += A . B when accumulate, for each target (products of one shape on the same
+// A, e.g. the two projections; their tiles are dealt to the threads together, so that a decode call
+// whose products are one tile each still uses two threads). M must be a multiple of kBf16TileRows
+// (the caller pads A with zero rows and gives C room for them). False if oneDNN failed.
+bool gemm_bf16(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
+               std::span<const Bf16Target> targets, bool accumulate, int num_threads);
 
 // Columns of one tile of gemm_bf16_rows.
 constexpr std::int64_t kBf16TileCols = 256;
@@ -114,8 +122,8 @@ constexpr std::int64_t kBf16TileCols = 256;
 // single-threaded primitive execution over the whole K (one tile over all
 // columns where B is packed). Deterministic across thread counts; a row's
 // result may depend on M.
-bool gemm_bf16_rows(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a, const void* b, float* c,
-                    bool accumulate, int num_threads);
+bool gemm_bf16_rows(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
+                    std::span<const Bf16Target> targets, bool accumulate, int num_threads);
 
 // Whether a row-stable call of M rows (M >= 2, no padding to a whole tile) may run as
 // gemm_bf16_rows: where B is read in place and oneDNN's kernel for these shapes is its jit gemm
