@@ -16,6 +16,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "kvcomp/kvcomp.hpp"
@@ -164,15 +165,50 @@ void check(const kvcomp::Status& s) {
   if (!s.ok()) throw StatusError(s.value(), s.message);
 }
 
+// A prepared-weights blob (kvcomp.prepare_weights): contiguous 1-D uint8 in host memory.
+template <typename Array>
+std::pair<void*, std::size_t> blob_view(const Array& a, const char* name) {
+  const auto dt = a.dtype();
+  const bool bytes =
+      static_cast<nb::dlpack::dtype_code>(dt.code) == nb::dlpack::dtype_code::UInt && dt.bits == 8;
+  if (a.device_type() != nb::device::cpu::value || !bytes || a.ndim() != 1 ||
+      (a.shape(0) > 1 && a.stride(0) != 1))
+    fail(kvcomp::StatusCode::invalid_param,
+         std::string("[kvcomp] ") + name + " (= dtype " + dtype_str(dt) + ", rank " +
+             std::to_string(a.ndim()) +
+             ") must be the contiguous host uint8 array of kvcomp.prepare_weights");
+  return {const_cast<void*>(static_cast<const void*>(a.data())), a.shape(0)};
+}
+
+std::size_t prepared_weights_size(const InArray& wkv, const InArray& wgate) {
+  std::size_t bytes = 0;
+  check(kvcomp::prepared_weights_size(view(wkv, "wkv"), view(wgate, "wgate"), &bytes));
+  return bytes;
+}
+
+void prepare_weights(const InArray& wkv, const InArray& wgate, const OutArray& blob, int num_threads) {
+  const auto [data, bytes] = blob_view(blob, "blob");
+  const kvcomp::Tensor k = view(wkv, "wkv"), g = view(wgate, "wgate");
+  kvcomp::Options o = make_options("extended", "precise", num_threads, 0);
+  kvcomp::Status s;
+  {
+    nb::gil_scoped_release release;
+    s = kvcomp::prepare_weights(k, g, data, bytes, o);
+  }
+  check(s);
+}
+
 void forward(const InArray& x, const InArray& wkv, const InArray& wgate, const OutArray& state_cache,
              const InArray& ape, const std::optional<InArray>& state_block_table,
              const std::optional<InArray>& cu_seqlens, const std::optional<InArray>& seqused,
              const std::optional<InArray>& start_pos, std::int64_t cmp_ratio, std::int64_t coff,
              std::int64_t cache_mode, const OutArray& cmp_kv, const std::optional<OutArray>& softmax_score,
              const std::optional<OutArray>& kv, const std::string& profile, const std::string& precision,
-             int num_threads, std::uintptr_t stream) {
+             int num_threads, std::uintptr_t stream, const std::optional<InArray>& prepared_weights) {
   const kvcomp::Options options = make_options(profile, precision, num_threads, stream);
   kvcomp::ForwardArgs a;
+  if (prepared_weights)
+    std::tie(a.prepared_weights, a.prepared_weights_bytes) = blob_view(*prepared_weights, "prepared_weights");
   a.x = view(x, "x");
   a.wkv = view(wkv, "wkv");
   a.wgate = view(wgate, "wgate");
@@ -264,9 +300,14 @@ NB_MODULE(_C, m) {
         nb::arg("seqused").none(), nb::arg("start_pos").none(), nb::arg("cmp_ratio"), nb::arg("coff"),
         nb::arg("cache_mode"), nb::arg("cmp_kv"), nb::arg("softmax_score").none(), nb::arg("kv").none(),
         nb::arg("profile") = "extended", nb::arg("precision") = "precise", nb::arg("num_threads") = 0,
-        nb::arg("stream") = 0,
+        nb::arg("stream") = 0, nb::arg("prepared_weights").none() = nb::none(),
         "Runs kvcomp::compressor_forward on caller-allocated outputs; state_cache is updated in place. "
-        "stream: the cudaStream_t (as an integer) of a call on CUDA tensors, 0 for the default stream.");
+        "stream: the cudaStream_t (as an integer) of a call on CUDA tensors, 0 for the default stream. "
+        "prepared_weights: a blob of prepare_weights for this call's wkv and wgate, or None.");
+  m.def("prepared_weights_size", &prepared_weights_size, nb::arg("wkv"), nb::arg("wgate"),
+        "Bytes of the prepared-weights blob of wkv and wgate (kvcomp::prepared_weights_size).");
+  m.def("prepare_weights", &prepare_weights, nb::arg("wkv"), nb::arg("wgate"), nb::arg("blob"),
+        nb::arg("num_threads") = 0, "Writes the prepared-weights blob (kvcomp::prepare_weights).");
   m.def("backward", &backward, nb::arg("x"), nb::arg("wkv"), nb::arg("wgate"), nb::arg("d_cmp_kv"),
         nb::arg("softmax_score"), nb::arg("kv"), nb::arg("cu_seqlens").none(), nb::arg("seqused").none(),
         nb::arg("start_pos").none(), nb::arg("cmp_ratio"), nb::arg("coff"), nb::arg("d_x"), nb::arg("d_wkv"),
@@ -280,10 +321,11 @@ NB_MODULE(_C, m) {
   m.def("version", &kvcomp::version, "Version of the C++ core.");
   m.def("kernel_isa", &kvcomp::kernel_isa,
         "Instruction set of the element-wise kernels: 'avx512', 'avx2' or 'scalar' (capped by KVCOMP_ISA).");
-  m.def("product_kernels", &kvcomp::product_kernels,
-        "Matrix-product kernels of the CPU backend, e.g. 'bf16 (brg:avx512_core_amx_bf16, precise as hi+lo) + "
-        "f32 (dnnl_sgemm)' where the CPU has bf16 units (KVCOMP_PRODUCTS=f32 keeps fp32), 'f32 (dnnl_sgemm)' "
-        "elsewhere.");
+  m.def(
+      "product_kernels", &kvcomp::product_kernels,
+      "Matrix-product kernels of the CPU backend, e.g. 'bf16 (brg:avx512_core_amx_bf16, precise as hi+lo) + "
+      "f32 (dnnl_sgemm)' where the CPU has bf16 units (KVCOMP_PRODUCTS=f32 keeps fp32), 'f32 (dnnl_sgemm)' "
+      "elsewhere.");
   m.def("has_cuda_backend", &kvcomp::has_cuda_backend,
         "Whether this build of the core has the CUDA backend (configured with KVCOMP_CUDA).");
   m.def("cuda_device_count", &kvcomp::cuda_device_count,

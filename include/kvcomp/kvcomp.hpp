@@ -131,6 +131,10 @@ struct ForwardArgs : SequenceArgs {
   std::int64_t cache_mode = 1;              // 1 paged, 2 ring
   std::int64_t state_cache_stride0 = 0;     // element stride of state_cache dim 0; 0: contiguous
   bool grad_enabled = false;
+  // Optional (CPU): this call's wkv and wgate as prepare_weights() wrote them, and that blob's size.
+  // The call then skips converting or packing the weights; its outputs are bitwise the same.
+  const void* prepared_weights = nullptr;
+  std::size_t prepared_weights_bytes = 0;
 
   // outputs
   Tensor cmp_kv;         // io dtype, BSH [B, ceil(S/r), D], TH [min(T, T/r + B), D]
@@ -200,6 +204,26 @@ KVCOMP_API Status compressor_backward(const BackwardArgs& args, const Options& o
 // Frees the calling thread's kept one-call workspace now, and trims the CUDA
 // workspace pools (process-wide; memory still in use stays).
 KVCOMP_API void release_cached_workspace();
+
+// Weights prepared once for many forward calls (decode, serving). On the CPU a forward call first
+// brings wkv and wgate into the form its projection products read: fp32 copies (fp32 products:
+// CPUs without bf16 units, fp16 and fp32 io, KVCOMP_PRODUCTS=f32) or oneDNN's packed layout (AMX).
+// That is 2 * coff*D * H weights read and written on every call, more than the products themselves
+// cost at decode sizes. prepare_weights() does it once, into caller memory; a forward call that
+// names the result (ForwardArgs::prepared_weights) skips it, with bitwise the same outputs.
+// - The blob is a snapshot of the weights: prepare again after they change. A stale blob gives the
+//   old weights' results (detecting it would mean reading the weights, the cost saved).
+// - It holds the layout of this process's product kernels (product_kernels()); a blob made under
+//   other kernels (another machine, KVCOMP_PRODUCTS, KVCOMP_ISA) or for other weight shapes is
+//   refused (invalid_param). Where the products read the weights in place (AVX512-BF16's gemm) it
+//   is a header only and changes nothing.
+// - Host tensors only; a call on a CUDA device refuses a blob (the GPU reads the weights in place).
+// prepared_weights_size: the blob's size for these weights (bytes, header included).
+KVCOMP_API Status prepared_weights_size(const Tensor& wkv, const Tensor& wgate, std::size_t* bytes);
+// Writes the blob (at least prepared_weights_size() bytes; 64-byte alignment is best) using
+// options.num_threads threads. Writes nothing but the blob.
+KVCOMP_API Status prepare_weights(const Tensor& wkv, const Tensor& wgate, void* blob, std::size_t bytes,
+                                  const Options& options = {});
 
 // The instruction set of kvcomp's element-wise kernels in this process:
 // "avx512", "avx2" or "scalar" (the best the CPU has, capped by the

@@ -21,6 +21,7 @@ from ._functional import (
     compressor_forward,
     compressor_grad,
     get_default_options,
+    prepare_weights,
     set_default_options,
 )
 
@@ -40,6 +41,7 @@ __all__ = [
     "get_default_options",
     "has_cuda_backend",
     "kernel_isa",
+    "prepare_weights",
     "product_kernels",
     "release_cached_workspace",
     "set_default_options",

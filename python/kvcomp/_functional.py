@@ -170,6 +170,7 @@ def compressor_forward(
     profile=None,
     precision=None,
     num_threads=None,
+    prepared_weights=None,
 ):
     """The Compressor forward (aclnnCompressor) on torch tensors or numpy arrays.
 
@@ -181,6 +182,8 @@ def compressor_forward(
         state_block_table  int32   cache_mode 1: [B, ceil(Smax/block_size)]; cache_mode 2: [B]. Required.
         cu_seqlens         int32   [B+1] (TH only)
         seqused, start_pos int32   [B], optional (whole sequences / all zero)
+        prepared_weights   uint8   optional: ``prepare_weights(wkv, wgate)`` of these weights (CPU);
+                                   skips converting / packing them in this call, same results
 
     Returns:
         (cmp_kv, softmax_score, kv) of the kind of ``x`` (torch tensor or numpy array):
@@ -221,8 +224,37 @@ def compressor_forward(
         kv,
         *opts,
         stream=_stream(xs),
+        prepared_weights=_in(prepared_weights, "prepared_weights"),
     )
     return cmp_kv, softmax_score, kv
+
+
+def prepare_weights(wkv, wgate, *, num_threads=None):
+    """wkv and wgate in the form the CPU forward's products read them, once for many calls.
+
+    A CPU forward call first converts its weights to fp32 (fp32 products: CPUs without bf16 units,
+    fp16 / fp32 io, ``KVCOMP_PRODUCTS=f32``) or packs them (AMX): 2 * C * H weights read and written
+    per call, more than a decode call's products cost. Pass the result as ``prepared_weights=`` to
+    ``compressor_forward`` / ``kvcomp.torch.compressor`` and the call skips that step, with bitwise
+    the same results.
+
+    The result is a snapshot: prepare again after the weights change (a stale one gives the old
+    weights' results). It belongs to this process's product kernels (``product_kernels()``) and to
+    weights of this shape and dtype; any other call refuses it. Where the products read the weights
+    in place it is a 64-byte header that changes nothing.
+
+    Returns:
+        A 1-D uint8 host array of the kind of ``wkv`` (torch tensor or numpy array).
+    """
+    ws, gs = _in(wkv, "wkv"), _in(wgate, "wgate")
+    n = _C.prepared_weights_size(ws, gs)
+    if _is_torch(ws):
+        blob = sys.modules["torch"].empty((n,), dtype=sys.modules["torch"].uint8)
+    else:
+        blob = np.empty((n,), dtype=np.uint8)
+    threads = _options(None, None, num_threads)[2]
+    _C.prepare_weights(ws, gs, blob, threads)
+    return blob
 
 
 def compressor_grad(

@@ -59,6 +59,7 @@ def compressor_forward_op(
     coff: int,
     cache_mode: int,
     grad_enabled: bool,
+    prepared_weights: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """aclnnCompressor as a PyTorch operator (the counterpart of upstream ``_compressor_forward``).
 
@@ -79,6 +80,7 @@ def compressor_forward_op(
         coff=coff,
         cache_mode=cache_mode,
         grad_enabled=grad_enabled,
+        prepared_weights=prepared_weights,
     )
     if not grad_enabled:
         softmax_score = x.new_empty((0,), dtype=torch.float32)
@@ -101,6 +103,7 @@ def _compressor_forward_fake(
     coff,
     cache_mode,
     grad_enabled,
+    prepared_weights=None,
 ):
     lead = _leading_shape(x, cu_seqlens, cmp_ratio)
     d = wkv.shape[0] // coff if coff > 0 else 0
@@ -315,12 +318,15 @@ def compressor(
 
 def forward_with_gradient(
     x, wkv, wgate, state_cache, ape, state_block_table, cu_seqlens, seqused, start_pos, cmp_ratio, coff, cache_mode,
-    keep_intermediates,
+    keep_intermediates, prepared_weights=None,
 ):
     """(cmp_kv, softmax_score, kv) of compressor_forward_op, cmp_kv carrying CompressorGrad whenever any of
     x, wkv, wgate, ape requires a gradient and grad mode is on (the intermediates are then kept; else
     they are kept only when ``keep_intermediates``, and are empty [0] tensors otherwise). Shared by
-    ``compressor`` and the cann_ops_transformer stand-in (npu_compat)."""
+    ``compressor`` and the cann_ops_transformer stand-in (npu_compat). ``prepared_weights``:
+    ``kvcomp.prepare_weights(wkv, wgate)`` of these weights, or None (``compressor`` keeps the
+    upstream signature; a server that prepares its weights calls this, or the operator
+    ``torch.ops.kvcomp.compressor_forward``, with them)."""
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, wkv, wgate, ape))
     cmp_kv, softmax_score, kv = torch.ops.kvcomp.compressor_forward(
         x.detach(),
@@ -336,6 +342,7 @@ def forward_with_gradient(
         coff,
         cache_mode,
         bool(keep_intermediates or needs_grad),
+        prepared_weights,
     )
     if needs_grad:
         cmp_kv = torch.ops.kvcomp.compressor_grad_anchor(

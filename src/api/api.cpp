@@ -9,6 +9,7 @@
 #include "cpu/backend.hpp"
 #include "cpu/gemm_bf16.hpp"
 #include "cpu/isa.hpp"
+#include "cpu/prepared.hpp"
 #include "kvcomp/kvcomp.hpp"
 #include "kvcomp/version.hpp"
 #include "validate/validate.hpp"
@@ -263,12 +264,81 @@ Status run_one_call(const Args& args, const Options& options) {
   return execute(plan, ws, plan.workspace_size());
 }
 
+// The forward's rules plus its prepared weights, when it names any: they must match this call's
+// weights and this process's product kernels (CPU), and a device call takes none.
+Status validate_forward_call(const ForwardArgs& a, const Options& o, detail::BlockPlan* bp,
+                             detail::IndexCopies* copies, const detail::DeviceAccess* device) {
+  if (auto s = detail::validate_forward(a, o, bp, copies, device); !s.ok()) return s;
+  if (!a.prepared_weights) return Status::success();
+  if (a.x.device.type != DeviceType::cpu)
+    return {StatusCode::invalid_param, "[kvcomp] prepared_weights must be null for a call on " +
+                                           device_name(a.x.device) +
+                                           " (a GPU reads the weights where they lie)"};
+  const void* data = nullptr;
+  return detail::check_prepared(a.prepared_weights, a.prepared_weights_bytes, bp->dims.io, bp->dims.C,
+                                bp->dims.H, &data);
+}
+
+// wkv and wgate as prepare_weights takes them: host [C, H] of one io dtype.
+Status check_weight_pair(const Tensor& wkv, const Tensor& wgate) {
+  for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"wkv", &wkv}, {"wgate", &wgate}}) {
+    if (!t->data) return {StatusCode::null_pointer, std::string("[kvcomp] ") + name + " must not be null"};
+    if (t->device.type != DeviceType::cpu)
+      return {StatusCode::invalid_param, std::string("[kvcomp] ") + name + " (on " + device_name(t->device) +
+                                             ") must be in host memory to be prepared"};
+    if (t->rank != 2 || t->dim(0) < 1 || t->dim(1) < 1)
+      return {StatusCode::invalid_param,
+              std::string("[kvcomp] ") + name + " must be a non-empty matrix [coff*D, H]"};
+    if (t->dtype != DType::bf16 && t->dtype != DType::f16 && t->dtype != DType::f32)
+      return {StatusCode::invalid_param, std::string("[kvcomp] ") + name + " (dtype " + dtype_name(t->dtype) +
+                                             ") must be bf16, fp16 or fp32"};
+  }
+  if (wgate.dtype != wkv.dtype || wgate.dim(0) != wkv.dim(0) || wgate.dim(1) != wkv.dim(1))
+    return {StatusCode::shape_error, "[kvcomp] wgate must have wkv's shape and dtype"};
+  return Status::success();
+}
+
+Status weights_layout(const Tensor& wkv, const Tensor& wgate, detail::PreparedLayout* layout) {
+  if (auto s = check_weight_pair(wkv, wgate); !s.ok()) return s;
+  if (!detail::prepared_layout(wkv.dtype, wkv.dim(0), wkv.dim(1), layout))
+    return {StatusCode::runtime_error, "[kvcomp] oneDNN could not create the bf16 projection product"};
+  return Status::success();
+}
+
 }  // namespace
+
+Status prepared_weights_size(const Tensor& wkv, const Tensor& wgate, std::size_t* bytes) {
+  if (!bytes) return {StatusCode::null_pointer, "[kvcomp] bytes must not be null"};
+  try {
+    detail::PreparedLayout layout;
+    if (auto s = weights_layout(wkv, wgate, &layout); !s.ok()) return s;
+    *bytes = detail::kPreparedHeaderBytes + layout.data_bytes;
+    return Status::success();
+  } catch (const std::bad_alloc&) {
+    return out_of_memory("sizing the prepared weights");
+  }
+}
+
+Status prepare_weights(const Tensor& wkv, const Tensor& wgate, void* blob, std::size_t bytes,
+                       const Options& options) {
+  if (!blob) return {StatusCode::null_pointer, "[kvcomp] blob must not be null"};
+  try {
+    detail::PreparedLayout layout;
+    if (auto s = weights_layout(wkv, wgate, &layout); !s.ok()) return s;
+    const std::size_t need = detail::kPreparedHeaderBytes + layout.data_bytes;
+    if (bytes < need)
+      return {StatusCode::invalid_param, "[kvcomp] bytes (= " + std::to_string(bytes) + ") must be >= " +
+                                             std::to_string(need) + ", prepared_weights_size()"};
+    return detail::write_prepared(wkv, wgate, layout, blob, resolve_threads(options));
+  } catch (const std::bad_alloc&) {
+    return out_of_memory("preparing the weights");
+  }
+}
 
 Status plan_forward(const ForwardArgs& args, const Options& options, ForwardPlan* plan) {
   if (!plan) return {StatusCode::null_pointer, "[kvcomp] plan must not be null"};
   return make_plan(
-      args, options, "forward", detail::validate_forward, detail::forward_workspace_size,
+      args, options, "forward", validate_forward_call, detail::forward_workspace_size,
       [](ForwardPlanState& st, const detail::BlockPlan& bp) {
 #ifdef KVCOMP_HAVE_CUDA
         return detail::cuda::prepare_forward(st.args, st.options, bp, st.index.block_table, &st.device_plan,
@@ -297,7 +367,7 @@ Status plan_backward(const BackwardArgs& args, const Options& options, BackwardP
 }
 
 Status execute(ForwardPlan& plan, void* workspace, std::size_t workspace_size) {
-  return run_plan(plan.state_.get(), "forward", workspace, workspace_size, detail::validate_forward,
+  return run_plan(plan.state_.get(), "forward", workspace, workspace_size, validate_forward_call,
                   [](const ForwardPlanState& st, const detail::BlockPlan& bp, void* ws) {
 #ifdef KVCOMP_HAVE_CUDA
                     if (st.on_cuda())

@@ -6,6 +6,7 @@
 #include "cpu/convert.hpp"
 #include "cpu/gemm.hpp"
 #include "cpu/gemm_bf16.hpp"
+#include "cpu/prepared.hpp"
 
 namespace kvcomp::detail {
 
@@ -93,12 +94,31 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
   if (!buf.ok || buf.size > workspace_size)
     return {StatusCode::runtime_error, "[kvcomp] oneDNN could not create the bf16 projection product"};
   const std::size_t io_size = dtype_size(d.io);
+  // The weights as the products read them: from prepare_weights() when the call names its result
+  // (the same bytes as below, made once for many calls), else packed or converted now.
+  const void* prepared = nullptr;
+  if (args.prepared_weights)
+    if (auto s = check_prepared(args.prepared_weights, args.prepared_weights_bytes, d.io, C, H, &prepared);
+        !s.ok())
+      return s;
+  const void* b_kv = args.wkv.data;
+  const void* b_gate = args.wgate.data;
+  const float* wcat = buf.wcat;
   if (buf.bf16) {
     const Bf16Shape shape = buf.bf16_shape(d);
-    const Bf16PackJob jobs[] = {{static_cast<const std::uint16_t*>(args.wkv.data), buf.packed_kv},
-                                {static_cast<const std::uint16_t*>(args.wgate.data), buf.packed_gate}};
-    if (!bf16_pack_b(shape, jobs, 2, num_threads))
-      return {StatusCode::runtime_error, "[kvcomp] oneDNN reorder of the bf16 weights failed"};
+    if (prepared) {  // packed: wkv then wgate, one packed size each
+      b_kv = prepared;
+      b_gate = static_cast<const unsigned char*>(prepared) + bf16_plan(shape).packed_bytes;
+    } else if (buf.packed_kv) {
+      const Bf16PackJob jobs[] = {{static_cast<const std::uint16_t*>(args.wkv.data), buf.packed_kv},
+                                  {static_cast<const std::uint16_t*>(args.wgate.data), buf.packed_gate}};
+      if (!bf16_pack_b(shape, jobs, 2, num_threads))
+        return {StatusCode::runtime_error, "[kvcomp] oneDNN reorder of the bf16 weights failed"};
+      b_kv = buf.packed_kv;
+      b_gate = buf.packed_gate;
+    }
+  } else if (prepared) {
+    wcat = static_cast<const float*>(prepared);
   } else {
     rows_to_f32(args.wkv.data, d.io, C, H, buf.wcat, buf.ld_h, num_threads);
     rows_to_f32(args.wgate.data, d.io, C, H, buf.wcat + C * buf.ld_h, buf.ld_h, num_threads);
@@ -134,8 +154,7 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
       // [new_kv | new_score] = x . [wkv ; wgate]^T on the bf16 units: the chunk's rows in whole
       // tiles (zero rows after them), two products into the two column halves, in one team.
       const Bf16Shape shape = buf.bf16_shape(d);
-      const Bf16Target both[] = {{buf.packed_kv ? buf.packed_kv : args.wkv.data, rows},
-                                 {buf.packed_gate ? buf.packed_gate : args.wgate.data, rows + C}};
+      const Bf16Target both[] = {{b_kv, rows}, {b_gate, rows + C}};
       bool ok = true;
       if (gemm_row_stable()) {
         // Few rows (decode): padded to 2 in column tiles where the kernel's rows allow it
@@ -161,7 +180,7 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
       for (std::int64_t i = n; i < n_pad; ++i)
         std::fill(buf.xf + i * buf.ld_h, buf.xf + i * buf.ld_h + H, 0.0f);
       // [new_kv | new_score] = x . [wkv ; wgate]^T
-      if (!gemm_f32(n_pad, 2 * C, H, {buf.xf, buf.ld_h, false}, {buf.wcat, buf.ld_h, true}, rows, buf.ld_c2,
+      if (!gemm_f32(n_pad, 2 * C, H, {buf.xf, buf.ld_h, false}, {wcat, buf.ld_h, true}, rows, buf.ld_c2,
                     false, num_threads))
         return {StatusCode::runtime_error, "[kvcomp] oneDNN matmul for the projections failed"};
     }

@@ -47,3 +47,66 @@ def test_decode_against_the_oracle(r, coff, cache_mode, th, B, tokens):
         with torch.no_grad():
             out = kt.compressor(case.x, case.wkv, case.wgate, cache, case.ape, r, **case.kwargs())
         _check(case, out, cache)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("r,coff,cache_mode,th", [(4, 2, 1, False), (128, 1, 2, True)])
+def test_prepared_weights_against_the_oracle(dtype, r, coff, cache_mode, th):
+    """A server prepares its weights once (kvcomp.prepare_weights) and names them in every decode
+    call: the oracle's results, and bitwise those of the same call without them."""
+    import kvcomp
+
+    for offset in [0, r - 1]:
+        sp = _starts(8, r, 1000 if r < 128 else 1024, offset)
+        case = make_case(lens=[1] * 8, H=H, D=D, r=r, coff=coff, start_pos=sp, th=th,
+                         cache_mode=cache_mode, dtype=dtype, seed=77 + offset)
+        blob = kvcomp.prepare_weights(case.wkv, case.wgate)
+        assert blob.dtype == torch.uint8 and blob.dim() == 1 and blob.numel() >= 64
+        cache, plain_cache = case.state_cache.clone(), case.state_cache.clone()
+        kw = case.kwargs()
+        with torch.no_grad():
+            out, _, _ = kt.forward_with_gradient(
+                case.x, case.wkv, case.wgate, cache, case.ape, kw["state_block_table"], kw.get("cu_seqlens"),
+                kw.get("seqused"), kw.get("start_pos"), r, coff, cache_mode, False, prepared_weights=blob)
+            plain = kt.compressor(case.x, case.wkv, case.wgate, plain_cache, case.ape, r, **kw)
+        assert torch.equal(out.view(torch.int16 if out.element_size() == 2 else torch.int32),
+                           plain.view(torch.int16 if plain.element_size() == 2 else torch.int32))
+        assert torch.equal(cache, plain_cache)
+        if dtype == "bf16":
+            _check(case, out, cache)
+
+
+def test_prepared_weights_of_other_weights_are_refused():
+    import kvcomp
+
+    case = make_case(lens=[1] * 4, H=H, D=D, r=4, coff=2, start_pos=[1003] * 4, dtype="fp16", seed=5)
+    other = kvcomp.prepare_weights(case.wkv[:-1], case.wgate[:-1])
+    cache = case.state_cache.clone()
+    kw = case.kwargs()
+
+    def call(blob):  # the operator itself, as torch.compile sees it
+        return torch.ops.kvcomp.compressor_forward(
+            case.x, case.wkv, case.wgate, cache, case.ape, kw["state_block_table"], None, None,
+            kw["start_pos"], 4, 2, 1, False, blob)
+
+    with pytest.raises(kvcomp.KvcompError) as e:
+        call(other)
+    assert e.value.code == 161002 and "like this call's" in str(e.value)
+    assert torch.equal(cache, case.state_cache)  # nothing written
+    with pytest.raises(kvcomp.KvcompError) as e:  # not a blob at all
+        call(case.ape)
+    assert e.value.code == 161002 and "uint8" in str(e.value)
+    out, _, _ = call(kvcomp.prepare_weights(case.wkv, case.wgate))  # its own weights: taken
+    assert out.shape == (4, 1, D)
+
+    # numpy arrays through the functional call take them too
+    arrays = {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in kw.items() if v is not None}
+    w32, g32 = case.wkv.float().numpy(), case.wgate.float().numpy()
+    blob = kvcomp.prepare_weights(w32, g32)
+    assert blob.dtype.name == "uint8"
+    c1, c2 = case.state_cache.numpy().copy(), case.state_cache.numpy().copy()
+    a, _, _ = kvcomp.compressor_forward(case.x.float().numpy(), w32, g32, c1, case.ape.numpy(), 4,
+                                        prepared_weights=blob, **arrays)
+    b, _, _ = kvcomp.compressor_forward(case.x.float().numpy(), w32, g32, c2, case.ape.numpy(), 4,
+                                        **arrays)
+    assert (a.view("int32") == b.view("int32")).all() and (c1 == c2).all()

@@ -1,0 +1,112 @@
+#include "cpu/prepared.hpp"
+
+#include <cstring>
+#include <string>
+
+#include "cpu/backend.hpp"
+#include "cpu/convert.hpp"
+#include "cpu/gemm_bf16.hpp"
+
+namespace kvcomp::detail {
+
+namespace {
+
+constexpr char kMagic[8] = {'K', 'V', 'C', 'P', 'R', 'E', 'P', '1'};
+
+struct Header {
+  char magic[8];
+  std::uint32_t kind;
+  std::uint32_t io;
+  std::int64_t C, H;
+  std::uint64_t kernels;     // hash of product_kernels(): the blob is only good for these kernels
+  std::uint64_t data_bytes;  // after the header
+  std::uint64_t reserved[2];
+};
+static_assert(sizeof(Header) <= kPreparedHeaderBytes);
+
+// FNV-1a of the product kernels' description (stable across runs of one build on one machine).
+std::uint64_t kernels_hash() {
+  std::uint64_t h = 1469598103934665603ull;
+  for (const char* p = product_kernels(); *p; ++p)
+    h = (h ^ static_cast<unsigned char>(*p)) * 1099511628211ull;
+  return h;
+}
+
+// The forward's bf16 projection product (forward.cpp: ForwardBuffers::bf16_shape): [n, H] . [H, C]
+// into one column half of the projections. Its ldc does not change how B is packed.
+Bf16Shape projection_shape(std::int64_t C, std::int64_t H) { return {C, H, H, padded_ld(2 * C), H, true}; }
+
+Status invalid(const std::string& what) { return {StatusCode::invalid_param, "[kvcomp] " + what}; }
+
+}  // namespace
+
+bool prepared_layout(DType io, std::int64_t C, std::int64_t H, PreparedLayout* out) {
+  if (io == DType::bf16 && bf16_product_kernel()) {
+    const Bf16Plan p = bf16_plan(projection_shape(C, H));
+    if (!p.ok) return false;
+    *out = p.packed_bytes > 0 ? PreparedLayout{PreparedKind::packed, 2 * p.packed_bytes}
+                              : PreparedLayout{PreparedKind::in_place, 0};
+    return true;
+  }
+  *out = {PreparedKind::f32, static_cast<std::size_t>(2 * C * padded_ld(H)) * sizeof(float)};
+  return true;
+}
+
+Status write_prepared(const Tensor& wkv, const Tensor& wgate, const PreparedLayout& layout, void* blob,
+                      int num_threads) {
+  const std::int64_t C = wkv.dim(0), H = wkv.dim(1);
+  auto* data = static_cast<unsigned char*>(blob) + kPreparedHeaderBytes;
+  if (layout.kind == PreparedKind::packed) {
+    const Bf16PackJob jobs[] = {
+        {static_cast<const std::uint16_t*>(wkv.data), data},
+        {static_cast<const std::uint16_t*>(wgate.data), data + layout.data_bytes / 2}};
+    if (!bf16_pack_b(projection_shape(C, H), jobs, 2, num_threads))
+      return {StatusCode::runtime_error, "[kvcomp] oneDNN reorder of the bf16 weights failed"};
+  } else if (layout.kind == PreparedKind::f32) {
+    const std::int64_t ld = padded_ld(H);
+    auto* w = reinterpret_cast<float*>(data);
+    rows_to_f32(wkv.data, wkv.dtype, C, H, w, ld, num_threads);
+    rows_to_f32(wgate.data, wgate.dtype, C, H, w + C * ld, ld, num_threads);
+  }
+  Header h{};
+  std::memcpy(h.magic, kMagic, sizeof kMagic);
+  h.kind = static_cast<std::uint32_t>(layout.kind);
+  h.io = static_cast<std::uint32_t>(wkv.dtype);
+  h.C = C;
+  h.H = H;
+  h.kernels = kernels_hash();
+  h.data_bytes = layout.data_bytes;
+  std::memset(blob, 0, kPreparedHeaderBytes);
+  std::memcpy(blob, &h, sizeof h);  // last: a blob whose data failed has no valid header
+  return Status::success();
+}
+
+Status check_prepared(const void* blob, std::size_t bytes, DType io, std::int64_t C, std::int64_t H,
+                      const void** data) {
+  const std::string what = "prepared_weights (" + std::to_string(bytes) + " bytes) ";
+  Header h{};
+  if (bytes < kPreparedHeaderBytes) return invalid(what + "must come from prepare_weights() (too short)");
+  std::memcpy(&h, blob, sizeof h);
+  if (std::memcmp(h.magic, kMagic, sizeof kMagic) != 0)
+    return invalid(what + "must come from prepare_weights() (no header)");
+  if (h.C != C || h.H != H || h.io != static_cast<std::uint32_t>(io))
+    return invalid(what + "must be prepared from weights like this call's: [" + std::to_string(h.C) + ", " +
+                   std::to_string(h.H) + "] " + dtype_name(static_cast<DType>(h.io)) + " given, [" +
+                   std::to_string(C) + ", " + std::to_string(H) + "] " + dtype_name(io) + " wanted");
+  PreparedLayout want;
+  if (!prepared_layout(io, C, H, &want))
+    return {StatusCode::runtime_error, "[kvcomp] oneDNN could not create the bf16 projection product"};
+  if (h.kernels != kernels_hash() || h.kind != static_cast<std::uint32_t>(want.kind) ||
+      h.data_bytes != want.data_bytes)
+    return invalid(what + "must be prepared on this machine with these product kernels (" +
+                   std::string(product_kernels()) + "); prepare again");
+  if (bytes < kPreparedHeaderBytes + want.data_bytes)
+    return invalid(what + "must hold its " + std::to_string(kPreparedHeaderBytes + want.data_bytes) +
+                   " bytes");
+  *data = want.kind == PreparedKind::in_place
+              ? nullptr
+              : static_cast<const unsigned char*>(blob) + kPreparedHeaderBytes;
+  return Status::success();
+}
+
+}  // namespace kvcomp::detail

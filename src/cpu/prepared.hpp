@@ -1,0 +1,43 @@
+// Weights prepared once for many forward calls (kvcomp.hpp: prepare_weights): the form the
+// forward's projection products read wkv and wgate in, written into caller memory behind a small
+// header, so that a decode call need not convert (fp32 products) or pack (AMX) 2 * C * H weights
+// every time. The forward reads the same bytes either way, so its outputs do not change.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kvcomp/kvcomp.hpp"
+
+namespace kvcomp::detail {
+
+// What the forward's products read the weights as, on this process's product kernels.
+enum class PreparedKind : std::uint32_t {
+  in_place = 0,  // bf16 units whose kernel reads B where it lies: nothing to prepare
+  packed = 1,    // bf16 units with a packed layout (AMX): wkv then wgate, packed_bytes each
+  f32 = 2,       // fp32 products: [2C, padded_ld(H)] fp32, the wkv rows then the wgate rows
+};
+
+// Bytes of the header in front of the prepared data (a multiple of 64, so the data keeps the
+// blob's alignment).
+constexpr std::size_t kPreparedHeaderBytes = 64;
+
+// The layout the forward wants for weights [C, H] of dtype io: kind and data bytes after the header.
+// False when oneDNN could not make the bf16 product (out of memory).
+struct PreparedLayout {
+  PreparedKind kind = PreparedKind::in_place;
+  std::size_t data_bytes = 0;
+};
+bool prepared_layout(DType io, std::int64_t C, std::int64_t H, PreparedLayout* out);
+
+// Writes the header and the data of `layout` for wkv, wgate [C, H] (validated by the caller) into
+// blob (at least kPreparedHeaderBytes + layout.data_bytes bytes).
+Status write_prepared(const Tensor& wkv, const Tensor& wgate, const PreparedLayout& layout, void* blob,
+                      int num_threads);
+
+// Checks a forward call's prepared_weights against its wkv / wgate ([C, H], dtype io) and this
+// process's kernels; on success *data points at the prepared data (nullptr for in_place).
+Status check_prepared(const void* blob, std::size_t bytes, DType io, std::int64_t C, std::int64_t H,
+                      const void** data);
+
+}  // namespace kvcomp::detail

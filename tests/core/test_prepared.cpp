@@ -1,0 +1,161 @@
+// Prepared weights (kvcomp.hpp: prepare_weights): a forward call that names them gives the oracle's
+// results over the whole sweep, bitwise those of the same call without them, and a blob that does
+// not belong to the call is refused before anything is written.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <vector>
+
+#include "sweep.hpp"
+
+namespace kvcomp::test {
+namespace {
+
+// Prepares this run's weights into `blob` and names them in its args.
+void prepare(ForwardRun& r, std::vector<unsigned char>& blob, const Options& o = {}) {
+  std::size_t bytes = 0;
+  ASSERT_TRUE(prepared_weights_size(r.args.wkv, r.args.wgate, &bytes).ok());
+  ASSERT_GE(bytes, 64u);
+  blob.assign(bytes, 0xA5);
+  const Status s = prepare_weights(r.args.wkv, r.args.wgate, blob.data(), bytes, o);
+  ASSERT_TRUE(s.ok()) << s.message;
+  r.args.prepared_weights = blob.data();
+  r.args.prepared_weights_bytes = bytes;
+}
+
+class PreparedSweep : public ::testing::TestWithParam<SweepCase> {};
+
+TEST_P(PreparedSweep, ForwardMatchesOracle) {
+  check_forward(GetParam(), [](ForwardRun& r, const Options& o) {
+    std::vector<unsigned char> blob;
+    prepare(r, blob);
+    return r.run(o);
+  });
+}
+
+bool same_bits(const Buffer& a, const Buffer& b) {
+  if (a.dtype != b.dtype || a.size() != b.size()) return false;
+  const std::size_t n = a.size() * (a.dtype == DType::f32 || a.dtype == DType::i32 ? 4 : 2);
+  return std::memcmp(const_cast<Buffer&>(a).data(), const_cast<Buffer&>(b).data(), n) == 0;
+}
+
+TEST_P(PreparedSweep, BitwiseTheCallWithout) {
+  const SweepCase& c = GetParam();
+  auto rc = make_random_case(c.options(), c.forward_seed);
+  round_io_inputs(rc.in, c.io);
+  ForwardRun plain(rc.problem, rc.in, c.io), prepared(rc.problem, rc.in, c.io);
+  std::vector<unsigned char> blob;
+  // Prepared with another thread count than the call: neither may change a bit.
+  Options two;
+  two.num_threads = 2;
+  prepare(prepared, blob, two);
+  ASSERT_TRUE(plain.run().ok());
+  const Status s = prepared.run();
+  ASSERT_TRUE(s.ok()) << s.message;
+  EXPECT_TRUE(same_bits(plain.cmp_kv, prepared.cmp_kv));
+  EXPECT_TRUE(same_bits(plain.softmax_score, prepared.softmax_score));
+  EXPECT_TRUE(same_bits(plain.kv, prepared.kv));
+  EXPECT_TRUE(same_bits(plain.cache, prepared.cache));
+}
+
+INSTANTIATE_TEST_SUITE_P(Issue17, PreparedSweep, ::testing::ValuesIn(sweep()),
+                         [](const auto& tp) { return tp.param.name; });
+
+// The small rule case, with prepared weights, and the state a refusal must leave.
+struct PreparedRules : ::testing::Test {
+  RandomCase<double> rc = make_random_case(small_rule_options(false), 17);
+  ForwardRun run{rc.problem, rc.in, DType::f16};
+  std::vector<unsigned char> blob;
+  void SetUp() override { prepare(run, blob); }
+  // The call is refused with `code` and `words` in its message, and writes nothing.
+  void expect_refused(StatusCode code, const char* words) {
+    const auto cache = run.cache.f32;
+    const auto out = run.cmp_kv.half;
+    const Status s = run.run();
+    EXPECT_EQ(s.code, code) << s.message;
+    EXPECT_NE(s.message.find(words), std::string::npos) << s.message;
+    EXPECT_EQ(run.cache.f32, cache);
+    EXPECT_EQ(run.cmp_kv.half, out);
+  }
+};
+
+TEST_F(PreparedRules, TheBlobOfThisCallIsTaken) {
+  const Status s = run.run();
+  EXPECT_TRUE(s.ok()) << s.message;
+}
+
+TEST_F(PreparedRules, ABlobOfOtherWeightsIsRefused) {
+  // Weights with fewer rows: another C.
+  Buffer other =
+      Buffer::filled(static_cast<std::size_t>((rc.problem.C() - 1) * rc.problem.H), DType::f16, 0.5f);
+  const Tensor w = tensor(other, {rc.problem.C() - 1, rc.problem.H});
+  std::size_t bytes = 0;
+  ASSERT_TRUE(prepared_weights_size(w, w, &bytes).ok());
+  std::vector<unsigned char> b2(bytes);
+  ASSERT_TRUE(prepare_weights(w, w, b2.data(), bytes).ok());
+  run.args.prepared_weights = b2.data();
+  run.args.prepared_weights_bytes = bytes;
+  expect_refused(StatusCode::invalid_param, "must be prepared from weights like this call's");
+}
+
+TEST_F(PreparedRules, ABlobOfAnotherDtypeIsRefused) {
+  ForwardRun bf(rc.problem, rc.in, DType::bf16);
+  std::vector<unsigned char> b2;
+  prepare(bf, b2);
+  run.args.prepared_weights = b2.data();
+  run.args.prepared_weights_bytes = b2.size();
+  expect_refused(StatusCode::invalid_param, "bf16 given");
+}
+
+TEST_F(PreparedRules, ACorruptOrShortBlobIsRefused) {
+  blob[0] ^= 1;  // the header's magic
+  expect_refused(StatusCode::invalid_param, "must come from prepare_weights()");
+  blob[0] ^= 1;
+  blob[32] ^= 1;  // the header's record of the product kernels: as if made under other ones
+  expect_refused(StatusCode::invalid_param, "with these product kernels");
+  blob[32] ^= 1;
+  run.args.prepared_weights_bytes = 10;
+  expect_refused(StatusCode::invalid_param, "too short");
+  run.args.prepared_weights_bytes = blob.size() - 1;  // the fp32 copy cut short
+  expect_refused(StatusCode::invalid_param, "must hold its");
+}
+
+TEST_F(PreparedRules, PlanningRefusesWhatExecuteWould) {
+  blob[3] ^= 1;
+  ForwardPlan plan;
+  const Status s = plan_forward(run.args, Options{}, &plan);
+  EXPECT_EQ(s.code, StatusCode::invalid_param) << s.message;
+  blob[3] ^= 1;
+  ASSERT_TRUE(plan_forward(run.args, Options{}, &plan).ok());
+  std::vector<unsigned char> ws(plan.workspace_size());
+  blob[3] ^= 1;  // spoiled between the phases: execute checks again
+  const Status e = execute(plan, ws.data(), ws.size());
+  EXPECT_EQ(e.code, StatusCode::invalid_param) << e.message;
+}
+
+TEST_F(PreparedRules, PreparingChecksItsArguments) {
+  std::size_t bytes = 0;
+  ASSERT_TRUE(prepared_weights_size(run.args.wkv, run.args.wgate, &bytes).ok());
+  // fp16 io takes fp32 products: header + [2C, ld >= H] fp32.
+  EXPECT_GE(bytes, 64u + 2u * static_cast<std::size_t>(rc.problem.C() * rc.problem.H) * 4u);
+  std::vector<unsigned char> b2(bytes);
+  EXPECT_EQ(prepare_weights(run.args.wkv, run.args.wgate, b2.data(), bytes - 1).code,
+            StatusCode::invalid_param);
+  EXPECT_EQ(prepare_weights(run.args.wkv, run.args.wgate, nullptr, bytes).code, StatusCode::null_pointer);
+  EXPECT_EQ(prepared_weights_size(run.args.wkv, run.args.wgate, nullptr).code, StatusCode::null_pointer);
+  Tensor no_data = run.args.wkv;
+  no_data.data = nullptr;
+  EXPECT_EQ(prepared_weights_size(no_data, run.args.wgate, &bytes).code, StatusCode::null_pointer);
+  Tensor other = run.args.wgate;
+  other.shape[0] -= 1;
+  EXPECT_EQ(prepared_weights_size(run.args.wkv, other, &bytes).code, StatusCode::shape_error);
+  Tensor ints = run.args.wkv;
+  ints.dtype = DType::i32;
+  EXPECT_EQ(prepared_weights_size(ints, ints, &bytes).code, StatusCode::invalid_param);
+  Tensor flat = run.args.wkv;
+  flat.rank = 1;
+  EXPECT_EQ(prepared_weights_size(flat, flat, &bytes).code, StatusCode::invalid_param);
+}
+
+}  // namespace
+}  // namespace kvcomp::test
