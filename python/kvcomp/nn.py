@@ -15,6 +15,7 @@ import torch
 from . import distributed as _cp
 from . import torch as _kt
 from ._errors import NULL_POINTER, KvcompError
+from ._functional import prepare_weights as _prepare_weights
 
 __all__ = ["Compressor"]
 
@@ -29,6 +30,16 @@ class Compressor(torch.nn.Module):
     call, so autograd reaches the fp32 parameters (the mixed-precision pattern of NPU training
     clients). The operator's attributes are module attributes: ``cmp_ratio``, ``coff``, ``head_dim``,
     ``hidden_size``, and for context parallelism ``cp_group`` / ``cp_split`` (defaults for ``forward``).
+
+    Serving: a call that records no gradient (``torch.no_grad()``, ``torch.inference_mode()``, or
+    parameters that do not require one), in eager mode, on one process, reuses the weights cast to
+    the io dtype and prepared for the CPU forward's products (``kvcomp.prepare_weights``) from the
+    previous such call, instead of casting and converting 2 x coff*head_dim x hidden_size weights
+    each time; the result is bitwise the same. They are made again when a parameter changes in a way
+    torch records (optimizer steps, ``load_state_dict``, any in-place op on the parameter: its
+    version counter, and its storage) or the io dtype changes. A change written through
+    ``param.data`` is not recorded by torch: call ``forget_prepared_weights()`` after one. The kept
+    copy costs memory (fp32 products: the io-dtype weights plus an fp32 copy); that method frees it.
 
     Args:
         hidden_size: H.
@@ -51,7 +62,34 @@ class Compressor(torch.nn.Module):
         self.wkv = torch.nn.Parameter(torch.empty(c, self.hidden_size, **kw))
         self.wgate = torch.nn.Parameter(torch.empty(c, self.hidden_size, **kw))
         self.ape = torch.nn.Parameter(torch.empty(self.cmp_ratio, c, **kw))
+        self._prepared = None  # (params, key, wkv, wgate, blob) of the last call without gradient
         self.reset_parameters()
+
+    def forget_prepared_weights(self):
+        """Drops the weights kept for calls without gradient (see the class doc); the next such call
+        makes them again."""
+        self._prepared = None
+
+    def _weights_for(self, x):
+        """(wkv, wgate, prepared blob or None) in x's dtype for a one-process call: kept between calls
+        that record no gradient, else cast per call (so autograd reaches the parameters)."""
+        records_grad = torch.is_grad_enabled() and (self.wkv.requires_grad or self.wgate.requires_grad)
+        if records_grad or torch.compiler.is_compiling():
+            return self.wkv.to(x.dtype), self.wgate.to(x.dtype), None
+        # The parameter objects themselves (held, so that no other tensor can take their memory while
+        # the copy is kept), their storage and version counters; inference mode makes inference
+        # tensors, kept apart from the others.
+        key = (x.dtype, x.device, torch.is_inference_mode_enabled(), self.wkv.data_ptr(), self.wkv._version,
+               self.wgate.data_ptr(), self.wgate._version)
+        p = self._prepared
+        if p is None or p[0] is not self.wkv or p[1] is not self.wgate or p[2] != key:
+            self._prepared = None  # the old copy goes before the new one is made
+            with torch.no_grad():
+                wkv = self.wkv.to(x.dtype).contiguous()
+                wgate = self.wgate.to(x.dtype).contiguous()
+                blob = _prepare_weights(wkv, wgate) if x.device.type == "cpu" else None
+            self._prepared = (self.wkv, self.wgate, key, wkv, wgate, blob)
+        return self._prepared[3:]
 
     def reset_parameters(self):
         for w in (self.wkv, self.wgate):
@@ -96,7 +134,14 @@ class Compressor(torch.nn.Module):
             state_block_table = torch.zeros((max(batches, 0), max(1, -(-rows // r))), dtype=torch.int32,
                                             device=x.device)
             cache_mode = 1
-        wkv, wgate = self.wkv.to(x.dtype), self.wgate.to(x.dtype)
-        return _kt.compressor(x, wkv, wgate, state_cache, ape, self.cmp_ratio, state_block_table=state_block_table,
-                              cu_seqlens=cu_seqlens, seqused=seqused, start_pos=start_pos, coff=self.coff,
-                              cache_mode=cache_mode)
+        wkv, wgate, blob = self._weights_for(x)
+        if blob is None:
+            return _kt.compressor(x, wkv, wgate, state_cache, ape, self.cmp_ratio,
+                                  state_block_table=state_block_table, cu_seqlens=cu_seqlens, seqused=seqused,
+                                  start_pos=start_pos, coff=self.coff, cache_mode=cache_mode)
+        if state_block_table is None:  # the refusal kvcomp.torch.compressor gives
+            return _kt.compressor(x, wkv, wgate, state_cache, ape, self.cmp_ratio)
+        cmp_kv, _, _ = _kt.forward_with_gradient(x, wkv, wgate, state_cache, ape, state_block_table, cu_seqlens,
+                                                 seqused, start_pos, self.cmp_ratio, self.coff, cache_mode, False,
+                                                 prepared_weights=blob)
+        return cmp_kv

@@ -57,6 +57,51 @@ def test_equals_the_operator(th):
     assert not cache.any()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_serving_keeps_its_prepared_weights_until_a_parameter_changes(dtype):
+    """Calls without gradient reuse the weights cast and prepared by the first one (bitwise the result
+    of a cast per call), and make them again after each change torch records."""
+    torch.manual_seed(1)
+    m = kvcomp.nn.Compressor(64, 16, 4)
+    x = torch.randn(3, 4, 64).to(dtype)
+    cache = torch.zeros(8, 4, 64)
+    table = torch.tensor([[1, 2], [3, 4], [5, 6]], dtype=torch.int32)
+    sp = torch.tensor([0, 1, 3], dtype=torch.int32)
+
+    def by_hand():  # the operator on weights cast now
+        c = torch.zeros(8, 4, 64)
+        return kt.compressor(x, m.wkv.detach().to(dtype), m.wgate.detach().to(dtype), c, m.ape.detach(), 4,
+                             state_block_table=table, start_pos=sp, coff=2)
+
+    def serve():
+        with torch.no_grad():
+            cache.zero_()
+            return m(x, state_cache=cache, state_block_table=table, start_pos=sp)
+
+    out = serve()
+    kept = m._prepared
+    assert kept is not None and torch.equal(out, by_hand())
+    assert torch.equal(serve(), out) and m._prepared is kept  # reused, not made again
+    with torch.no_grad():
+        m.wkv.mul_(-1)  # an in-place change: the version counter moves
+    out2 = serve()
+    assert m._prepared is not kept and torch.equal(out2, by_hand()) and not torch.equal(out2, out)
+    kept = m._prepared
+    m.load_state_dict({k: v * 0.5 for k, v in m.state_dict().items()})
+    out3 = serve()
+    assert m._prepared is not kept and torch.equal(out3, by_hand())
+    m.wgate = torch.nn.Parameter(torch.randn_like(m.wgate))  # a new parameter object
+    assert torch.equal(serve(), by_hand())
+    with torch.inference_mode():
+        assert torch.equal(m(x, state_cache=cache.zero_(), state_block_table=table, start_pos=sp), by_hand())
+    # A call that records a gradient casts per call and reaches the parameters.
+    m.forget_prepared_weights()
+    out4 = m(x, state_cache=torch.zeros(8, 4, 64), state_block_table=table, start_pos=sp)
+    assert m._prepared is None and out4.requires_grad
+    out4.float().sum().backward()
+    assert m.wkv.grad is not None
+
+
 def test_start_pos_needs_a_cache():
     m = kvcomp.nn.Compressor(16, 4, 4)
     with pytest.raises(kvcomp.KvcompError, match="state_cache"):
