@@ -140,7 +140,7 @@ class IndexData {
     if (a_.x.device.type == DeviceType::cpu) return Status::success();
     if (!copies_) return invalid("x (= on " + device_name(a_.x.device) + ") must be planned by kvcomp");
     if (copies_->fetched) return Status::success();
-    if (!device_) return invalid("x (= on " + device_name(a_.x.device) + ") must be in host memory");
+    // device_ is set: check_devices, which every caller runs first, refuses device tensors without one.
     if (auto s = device_->check_not_capturing(o_.stream); !s.ok()) return s;
     const std::pair<const std::optional<Tensor>*, std::vector<std::int32_t>*> all[] = {
         {&a_.cu_seqlens, &copies_->cu_seqlens},
