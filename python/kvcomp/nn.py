@@ -81,15 +81,18 @@ class Compressor(torch.nn.Module):
         # tensors, kept apart from the others.
         key = (x.dtype, x.device, torch.is_inference_mode_enabled(), self.wkv.data_ptr(), self.wkv._version,
                self.wgate.data_ptr(), self.wgate._version)
+        # One read of self._prepared and one write: calls from several threads each use a whole
+        # tuple (at worst two of them make one each).
         p = self._prepared
         if p is None or p[0] is not self.wkv or p[1] is not self.wgate or p[2] != key:
-            self._prepared = None  # the old copy goes before the new one is made
+            self._prepared = p = None  # the old copy goes before the new one is made
             with torch.no_grad():
                 wkv = self.wkv.to(x.dtype).contiguous()
                 wgate = self.wgate.to(x.dtype).contiguous()
                 blob = _prepare_weights(wkv, wgate) if x.device.type == "cpu" else None
-            self._prepared = (self.wkv, self.wgate, key, wkv, wgate, blob)
-        return self._prepared[3:]
+            p = (self.wkv, self.wgate, key, wkv, wgate, blob)
+            self._prepared = p
+        return p[3:]
 
     def reset_parameters(self):
         for w in (self.wkv, self.wgate):

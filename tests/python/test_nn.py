@@ -102,6 +102,43 @@ def test_serving_keeps_its_prepared_weights_until_a_parameter_changes(dtype):
     assert m.wkv.grad is not None
 
 
+def test_serving_from_several_threads():
+    """Threads serving through one module (kvcomp releases the GIL, so the calls overlap), the weights
+    changed between rounds: every call gives the result of the current weights, the first calls of a
+    round racing to make the kept copy again."""
+    import threading
+
+    torch.manual_seed(2)
+    m = kvcomp.nn.Compressor(64, 16, 4)
+    x = torch.randn(2, 4, 64).bfloat16()
+    table = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)
+    sp = torch.tensor([0, 3], dtype=torch.int32)
+    errors = []
+
+    def serve(expected, start):
+        try:
+            start.wait(timeout=60)
+            for _ in range(20):
+                with torch.no_grad():
+                    out = m(x, state_cache=torch.zeros(5, 4, 64), state_block_table=table, start_pos=sp)
+                assert torch.equal(out, expected)
+        except Exception as e:  # reported below, in the test's thread
+            errors.append(e)
+
+    for _ in range(3):
+        with torch.no_grad():
+            m.wkv.mul_(-1)  # between rounds: every thread's first call finds the kept copy stale
+        expected = kt.compressor(x, m.wkv.detach().bfloat16(), m.wgate.detach().bfloat16(), torch.zeros(5, 4, 64),
+                                 m.ape.detach(), 4, state_block_table=table, start_pos=sp, coff=2)
+        start = threading.Barrier(4)
+        threads = [threading.Thread(target=serve, args=(expected, start)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors, errors[0]
+
+
 def test_start_pos_needs_a_cache():
     m = kvcomp.nn.Compressor(16, 4, 4)
     with pytest.raises(kvcomp.KvcompError, match="state_cache"):
