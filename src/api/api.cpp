@@ -274,9 +274,8 @@ Status validate_forward_call(const ForwardArgs& a, const Options& o, detail::Blo
     return {StatusCode::invalid_param, "[kvcomp] prepared_weights must be null for a call on " +
                                            device_name(a.x.device) +
                                            " (a GPU reads the weights where they lie)"};
-  const void* data = nullptr;
   return detail::check_prepared(a.prepared_weights, a.prepared_weights_bytes, bp->dims.io, bp->dims.C,
-                                bp->dims.H, &data);
+                                bp->dims.H);
 }
 
 // wkv and wgate as prepare_weights takes them: host [C, H] of one io dtype.

@@ -27,7 +27,7 @@ struct ForwardBuffers {
   std::size_t size;
 
   // The two projection products on the bf16 units: [n, H] . [H, C] into a column half of proj.
-  Bf16Shape bf16_shape(const Dims& d) const { return {d.C, d.H, d.H, ld_c2, d.H, true}; }
+  static Bf16Shape bf16_shape(const Dims& d) { return projection_shape(d.C, d.H); }
 
   ForwardBuffers(const Dims& d, int num_threads, void* base) {
     WorkspaceLayout ws(base);
@@ -95,20 +95,17 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
     return {StatusCode::runtime_error, "[kvcomp] oneDNN could not create the bf16 projection product"};
   const std::size_t io_size = dtype_size(d.io);
   // The weights as the products read them: from prepare_weights() when the call names its result
-  // (the same bytes as below, made once for many calls), else packed or converted now.
-  const void* prepared = nullptr;
-  if (args.prepared_weights)
-    if (auto s = check_prepared(args.prepared_weights, args.prepared_weights_bytes, d.io, C, H, &prepared);
-        !s.ok())
-      return s;
+  // (checked by execute's validation just before; the same bytes as below, made once for many
+  // calls), else packed or converted now.
+  const PreparedView prepared = args.prepared_weights ? prepared_view(args.prepared_weights) : PreparedView{};
   const void* b_kv = args.wkv.data;
   const void* b_gate = args.wgate.data;
   const float* wcat = buf.wcat;
   if (buf.bf16) {
     const Bf16Shape shape = buf.bf16_shape(d);
-    if (prepared) {  // packed: wkv then wgate, one packed size each
-      b_kv = prepared;
-      b_gate = static_cast<const unsigned char*>(prepared) + bf16_plan(shape).packed_bytes;
+    if (prepared.kv) {  // packed
+      b_kv = prepared.kv;
+      b_gate = prepared.gate;
     } else if (buf.packed_kv) {
       const Bf16PackJob jobs[] = {{static_cast<const std::uint16_t*>(args.wkv.data), buf.packed_kv},
                                   {static_cast<const std::uint16_t*>(args.wgate.data), buf.packed_gate}};
@@ -117,8 +114,8 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
       b_kv = buf.packed_kv;
       b_gate = buf.packed_gate;
     }
-  } else if (prepared) {
-    wcat = static_cast<const float*>(prepared);
+  } else if (prepared.kv) {  // wkv rows then wgate rows: one fp32 matrix
+    wcat = static_cast<const float*>(prepared.kv);
   } else {
     rows_to_f32(args.wkv.data, d.io, C, H, buf.wcat, buf.ld_h, num_threads);
     rows_to_f32(args.wgate.data, d.io, C, H, buf.wcat + C * buf.ld_h, buf.ld_h, num_threads);

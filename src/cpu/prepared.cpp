@@ -32,13 +32,11 @@ std::uint64_t kernels_hash() {
   return h;
 }
 
-// The forward's bf16 projection product (forward.cpp: ForwardBuffers::bf16_shape): [n, H] . [H, C]
-// into one column half of the projections. Its ldc does not change how B is packed.
-Bf16Shape projection_shape(std::int64_t C, std::int64_t H) { return {C, H, H, padded_ld(2 * C), H, true}; }
-
 Status invalid(const std::string& what) { return {StatusCode::invalid_param, "[kvcomp] " + what}; }
 
 }  // namespace
+
+Bf16Shape projection_shape(std::int64_t C, std::int64_t H) { return {C, H, H, padded_ld(2 * C), H, true}; }
 
 bool prepared_layout(DType io, std::int64_t C, std::int64_t H, PreparedLayout* out) {
   if (io == DType::bf16 && bf16_product_kernel()) {
@@ -81,8 +79,7 @@ Status write_prepared(const Tensor& wkv, const Tensor& wgate, const PreparedLayo
   return Status::success();
 }
 
-Status check_prepared(const void* blob, std::size_t bytes, DType io, std::int64_t C, std::int64_t H,
-                      const void** data) {
+Status check_prepared(const void* blob, std::size_t bytes, DType io, std::int64_t C, std::int64_t H) {
   const std::string what = "prepared_weights (" + std::to_string(bytes) + " bytes) ";
   Header h{};
   if (bytes < kPreparedHeaderBytes) return invalid(what + "must come from prepare_weights() (too short)");
@@ -103,10 +100,15 @@ Status check_prepared(const void* blob, std::size_t bytes, DType io, std::int64_
   if (bytes < kPreparedHeaderBytes + want.data_bytes)
     return invalid(what + "must hold its " + std::to_string(kPreparedHeaderBytes + want.data_bytes) +
                    " bytes");
-  *data = want.kind == PreparedKind::in_place
-              ? nullptr
-              : static_cast<const unsigned char*>(blob) + kPreparedHeaderBytes;
   return Status::success();
+}
+
+PreparedView prepared_view(const void* blob) {
+  Header h{};
+  std::memcpy(&h, blob, sizeof h);
+  if (h.kind == static_cast<std::uint32_t>(PreparedKind::in_place)) return {};
+  const auto* data = static_cast<const unsigned char*>(blob) + kPreparedHeaderBytes;
+  return {data, data + h.data_bytes / 2};  // two matrices of one size each
 }
 
 }  // namespace kvcomp::detail

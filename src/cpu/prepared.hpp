@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "cpu/gemm_bf16.hpp"
 #include "kvcomp/kvcomp.hpp"
 
 namespace kvcomp::detail {
@@ -35,9 +36,20 @@ bool prepared_layout(DType io, std::int64_t C, std::int64_t H, PreparedLayout* o
 Status write_prepared(const Tensor& wkv, const Tensor& wgate, const PreparedLayout& layout, void* blob,
                       int num_threads);
 
+// The forward's bf16 projection product, [n, H] . [H, C] into one column half of the projections
+// (row stride padded_ld(2C)): the shape its weights are packed for, per call or in a blob.
+Bf16Shape projection_shape(std::int64_t C, std::int64_t H);
+
 // Checks a forward call's prepared_weights against its wkv / wgate ([C, H], dtype io) and this
-// process's kernels; on success *data points at the prepared data (nullptr for in_place).
-Status check_prepared(const void* blob, std::size_t bytes, DType io, std::int64_t C, std::int64_t H,
-                      const void** data);
+// process's kernels (at plan and at execute).
+Status check_prepared(const void* blob, std::size_t bytes, DType io, std::int64_t C, std::int64_t H);
+
+// Where a blob that check_prepared accepted holds the two matrices: wkv's and wgate's data (fp32
+// rows or packed), both null for in_place.
+struct PreparedView {
+  const void* kv = nullptr;
+  const void* gate = nullptr;
+};
+PreparedView prepared_view(const void* blob);
 
 }  // namespace kvcomp::detail
