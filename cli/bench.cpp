@@ -161,8 +161,9 @@ Used products_used(bool npu_parity) {
   const std::string k = product_kernels();
   const bool units = k.rfind("bf16 (", 0) == 0;
   const bool split = k.find("precise as hi+lo") != std::string::npos;
-  Used u{units, units && (npu_parity || split), units ? "bf16" : "f32", "f32"};
-  if (units && npu_parity) u.bwd = "bf16";
+  const bool bwd_units = units && k.find("backward in f32") == std::string::npos;
+  Used u{units, bwd_units && (npu_parity || split), units ? "bf16" : "f32", "f32"};
+  if (bwd_units && npu_parity) u.bwd = "bf16";
   if (units && !npu_parity && split) u.bwd = "hi+lo";
   return u;
 }

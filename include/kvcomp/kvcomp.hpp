@@ -231,11 +231,13 @@ KVCOMP_API Status prepare_weights(const Tensor& wkv, const Tensor& wgate, void* 
 KVCOMP_API const char* kernel_isa();
 
 // The matrix-product kernels of the CPU backend in this process:
-// "bf16 (<oneDNN implementation>, precise as hi+lo | precise in f32) + f32
-// (dnnl_sgemm)" where the CPU has bf16 dot-product units (AMX-BF16,
-// AVX512-BF16): the products of bf16 calls run there (forward, npu_parity
-// backward, and the precise backward as bf16 high + low parts where that is
-// faster than fp32, i.e. on AMX, or when KVCOMP_PRODUCTS=bf16); else
+// "bf16 (<oneDNN implementation>, precise as hi+lo | precise in f32 |
+// backward in f32) + f32 (dnnl_sgemm)" where the CPU has bf16 dot-product
+// units (AMX-BF16, AVX512-BF16): the products of bf16 calls run there (the
+// forward; the npu_parity backward where the units outrun fp32, i.e. AMX and
+// AMD's AVX512-BF16, not Intel's AVX512-BF16 without AMX: "backward in f32";
+// the precise backward as bf16 high + low parts where that is faster than
+// fp32, i.e. on AMX; KVCOMP_PRODUCTS=bf16 asks for all of them); else
 // "f32 (dnnl_sgemm)". KVCOMP_PRODUCTS=f32, or KVCOMP_ISA below avx512, keeps
 // every product fp32. Chosen once per process.
 KVCOMP_API const char* product_kernels();

@@ -51,7 +51,7 @@ struct BackwardBuffers {
     ld_h = padded_ld(d.H);
     ld_c2 = padded_ld(2 * d.C);
     ld_r = padded_ld(R);
-    if (d.io == DType::bf16 && bf16_product_kernel() &&
+    if (d.io == DType::bf16 && bf16_backward_products() &&
         (precision == Precision::npu_parity || bf16_split_products())) {
       ld_dn = padded_ld(2 * d.C);
       ld_t = padded_ld(bf16_padded_rows(R));

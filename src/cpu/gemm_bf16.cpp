@@ -139,12 +139,23 @@ bool bf16_split_products() {
   return choice() == Choice::bf16 || kernel_name().find("amx") != std::string::npos;
 }
 
+bool bf16_backward_products() {
+  if (!bf16_product_kernel()) return false;
+  if (bf16_split_products()) return true;  // AMX, or KVCOMP_PRODUCTS=bf16
+  // AVX512-BF16 without AMX: faster than fp32 on AMD (Zen 4: about 1.5x), slower on Intel (about
+  // 0.5-0.65x; Cooper Lake, or a Xeon whose AMX the hypervisor hides), docs/performance.md.
+  __builtin_cpu_init();
+  return __builtin_cpu_is("amd");
+}
+
 const char* product_kernels() {
-  static const std::string s = kernel_name().empty()
-                                   ? std::string("f32 (dnnl_sgemm)")
-                                   : "bf16 (" + kernel_name() +
-                                         (bf16_split_products() ? ", precise as hi+lo" : ", precise in f32") +
-                                         ") + f32 (dnnl_sgemm)";
+  static const std::string s = [] {
+    if (kernel_name().empty()) return std::string("f32 (dnnl_sgemm)");
+    const char* backward = bf16_split_products()      ? ", precise as hi+lo"
+                           : bf16_backward_products() ? ", precise in f32"
+                                                      : ", backward in f32";
+    return "bf16 (" + kernel_name() + backward + ") + f32 (dnnl_sgemm)";
+  }();
   return s.c_str();
 }
 

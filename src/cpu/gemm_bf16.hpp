@@ -60,8 +60,19 @@ const char* bf16_product_kernel();
 // asks for it wherever there are bf16 units.
 bool bf16_split_products();
 
+// Whether the backward's npu_parity products run on the bf16 units (and so
+// the precise ones where bf16_split_products): where those units outrun the
+// fp32 FMAs, i.e. on AMX and on AMD's AVX512-BF16 (Zen 4: about 1.5x), not on
+// Intel's AVX512-BF16 without AMX (Cooper Lake, or a Xeon whose AMX a
+// hypervisor hides: 0.5-0.65x the fp32 rate, measured). The forward keeps the
+// bf16 units there: a decode call reads the bf16 weights in place, half the
+// bytes of fp32 ones, and the forward's kernel cannot differ between a decode
+// and a prefill call (row stability). KVCOMP_PRODUCTS=bf16 asks for the bf16
+// units everywhere.
+bool bf16_backward_products();
+
 // What runs: "f32 (dnnl_sgemm)", or "bf16 (<oneDNN implementation>, precise
-// as hi+lo | precise in f32) + f32 (dnnl_sgemm)".
+// as hi+lo | precise in f32 | backward in f32) + f32 (dnnl_sgemm)".
 const char* product_kernels();
 
 // One product shape: C[M, N] (+)= A[M, K] . B[K, N], A bf16 row-major with
