@@ -7,8 +7,10 @@
 // Everything here has internal linkage (an unnamed namespace): a copy
 // compiled with AVX-512 flags can never be picked by the linker for the
 // scalar path. Rules that keep every copy bitwise equal: plain IEEE
-// operations in a fixed order, no libm, and no FMA contraction in the files
-// that include this (-ffp-contract=off, nvcc --fmad=false).
+// operations in a fixed order (fma_d, correctly rounded, among them), no
+// other libm function, and no FMA contraction in the files that include this
+// (-ffp-contract=off, nvcc --fmad=false): a fused multiply-add only where
+// fma_d writes it.
 #pragma once
 
 #include <cstdint>
@@ -118,11 +120,27 @@ KVCOMP_HD float round_io(float v) {
 }
 
 // ---- exp in float64 for x <= 0 (softmax arguments), plain arithmetic.
+
+// a * b + c rounded once: an IEEE 754 operation like + and *, so every
+// conforming implementation gives the same bits (the vector FMA of the AVX2
+// and AVX-512 kernels, libm's fma in the scalar ones, the GPU's DFMA). Only
+// written out, never contracted from a * b + c (see the rules above).
+KVCOMP_HD double fma_d(double a, double b, double c) {
+#if defined(__CUDA_ARCH__)
+  return fma(a, b, c);
+#else
+  return __builtin_fma(a, b, c);
+#endif
+}
+
 // x = k ln2 + r with |r| <= ln2/2 (Cody-Waite, ln2 split so k * kLn2Hi is
-// exact), e^r by its Taylor series to r^13 (truncation < 2e-16 relative),
-// 2^k put into the exponent field. Within 2 ulp of exp; exp(-inf) = 0, NaN
+// exact), e^r by its Taylor series to r^13 (truncation < 2e-16 relative) in
+// Horner form, one fma per term (half the operations of a multiply and an
+// add, and one rounding instead of two), 2^k put into the exponent field.
+// Within 1 ulp of exp (tests/kernels, ExpNonpositive); exp(-inf) = 0, NaN
 // stays NaN; results below 2^-1022 flush to 0 (they are < 1e-307 of the
 // block's largest weight, which is 1).
+
 KVCOMP_HD double exp_nonpositive(double x) {
   constexpr double kLog2e = 1.4426950408889634;
   constexpr double kLn2Hi = 6.93147180369123816490e-01;  // 33 significant bits
@@ -133,19 +151,19 @@ KVCOMP_HD double exp_nonpositive(double x) {
   const double k = t - kShifter;
   const double r = (xc - k * kLn2Hi) - k * kLn2Lo;
   double p = 1.0 / 6227020800.0;  // 1/13!
-  p = p * r + 1.0 / 479001600.0;
-  p = p * r + 1.0 / 39916800.0;
-  p = p * r + 1.0 / 3628800.0;
-  p = p * r + 1.0 / 362880.0;
-  p = p * r + 1.0 / 40320.0;
-  p = p * r + 1.0 / 5040.0;
-  p = p * r + 1.0 / 720.0;
-  p = p * r + 1.0 / 120.0;
-  p = p * r + 1.0 / 24.0;
-  p = p * r + 1.0 / 6.0;
-  p = p * r + 0.5;
-  p = p * r + 1.0;
-  p = p * r + 1.0;
+  p = fma_d(p, r, 1.0 / 479001600.0);
+  p = fma_d(p, r, 1.0 / 39916800.0);
+  p = fma_d(p, r, 1.0 / 3628800.0);
+  p = fma_d(p, r, 1.0 / 362880.0);
+  p = fma_d(p, r, 1.0 / 40320.0);
+  p = fma_d(p, r, 1.0 / 5040.0);
+  p = fma_d(p, r, 1.0 / 720.0);
+  p = fma_d(p, r, 1.0 / 120.0);
+  p = fma_d(p, r, 1.0 / 24.0);
+  p = fma_d(p, r, 1.0 / 6.0);
+  p = fma_d(p, r, 0.5);
+  p = fma_d(p, r, 1.0);
+  p = fma_d(p, r, 1.0);
   // The low bits of t hold k as an integer (two's complement, |k| < 2^51).
   const std::uint64_t ki = d2u(t) - d2u(kShifter);
   const double scale = u2d((ki + 1023u) << 52);

@@ -7,7 +7,7 @@
 //
 // Rules that keep the three variants bitwise equal: each element sees the
 // same operations in the same order; no FMA contraction (-ffp-contract=off);
-// no libm (exp_nonpositive, common/numerics.hpp, is plain arithmetic); selects
+// no libm but fma (exp_nonpositive, common/numerics.hpp, is plain arithmetic); selects
 // instead of branches.
 
 #ifndef KVCOMP_SIMD_NS
