@@ -50,6 +50,17 @@ dnnl::memory::desc plain_b(const Bf16Shape& s, std::int64_t cols) {
   return {{s.K, cols}, dt::bf16, s.b_transposed ? dims{1, s.ldb} : dims{s.ldb, 1}};
 }
 
+// KVCOMP_BF16_PACKED=1: B packed into a blocked layout even where oneDNN's kernel would read a plain
+// one (AVX512-BF16), so that a machine without AMX runs the code AMX takes (packing, packed prepared
+// weights, 64-row tiles); ctest's *_packed runs. Read once per process.
+bool packed_forced() {
+  static const bool on = [] {
+    const char* v = std::getenv("KVCOMP_BF16_PACKED");
+    return v && std::strcmp(v, "1") == 0;
+  }();
+  return on;
+}
+
 TilePrimitive* tile_primitive(const Bf16Shape& s, bool accumulate, std::int64_t rows = kBf16TileRows,
                               std::int64_t cols = -1) {
   if (cols < 0) cols = s.N;
@@ -83,7 +94,12 @@ TilePrimitive* tile_primitive(const Bf16Shape& s, bool accumulate, std::int64_t 
       const auto w = make(any).weights_desc();
       in_place = w == dnnl::memory::desc({s.K, s.N}, dt::bf16, dnnl::memory::format_tag::ab) ||
                  w == dnnl::memory::desc({s.K, s.N}, dt::bf16, dnnl::memory::format_tag::ba);
-      if (in_place) b = plain_b(s, cols);
+      if (in_place && packed_forced()) {  // the blocked layout of oneDNN's bf16 brgemm kernels
+        in_place = false;
+        b = dnnl::memory::desc({s.K, s.N}, dt::bf16, dnnl::memory::format_tag::BA16a64b2a);
+      } else if (in_place) {
+        b = plain_b(s, cols);
+      }
     }
     const auto pd = make(b);
     slot = std::make_unique<TilePrimitive>(TilePrimitive{pd, dnnl::matmul(pd), in_place});
@@ -154,7 +170,8 @@ const char* product_kernels() {
     const char* backward = bf16_split_products()      ? ", precise as hi+lo"
                            : bf16_backward_products() ? ", precise in f32"
                                                       : ", backward in f32";
-    return "bf16 (" + kernel_name() + backward + ") + f32 (dnnl_sgemm)";
+    return "bf16 (" + kernel_name() + (packed_forced() ? ", packed B" : "") + backward +
+           ") + f32 (dnnl_sgemm)";
   }();
   return s.c_str();
 }

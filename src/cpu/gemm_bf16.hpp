@@ -71,8 +71,13 @@ bool bf16_split_products();
 // units everywhere.
 bool bf16_backward_products();
 
-// What runs: "f32 (dnnl_sgemm)", or "bf16 (<oneDNN implementation>, precise
-// as hi+lo | precise in f32 | backward in f32) + f32 (dnnl_sgemm)".
+// What runs: "f32 (dnnl_sgemm)", or "bf16 (<oneDNN implementation>[, packed
+// B], precise as hi+lo | precise in f32 | backward in f32) + f32
+// (dnnl_sgemm)". "packed B": KVCOMP_BF16_PACKED=1 in the environment packs B
+// into oneDNN's blocked layout even where its kernel would read it in place
+// (AVX512-BF16), so that such a machine tests the code AMX runs (packing,
+// packed prepared weights, 64-row tiles); results stay row-stable and
+// deterministic, and decode calls pad to 64 rows, so it is for tests only.
 const char* product_kernels();
 
 // One product shape: C[M, N] (+)= A[M, K] . B[K, N], A bf16 row-major with
