@@ -11,6 +11,7 @@
 #include <memory>
 #include <mutex>
 #include <oneapi/dnnl/dnnl.hpp>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 
@@ -61,6 +62,20 @@ bool packed_forced() {
   return on;
 }
 
+bool is_reference(const dnnl::matmul::primitive_desc& pd) {
+  return std::strncmp(pd.impl_info_str(), "ref", 3) == 0;
+}
+
+// Whether the primitive descriptor `make` returns exists and is not oneDNN's reference kernel.
+template <class Make>
+bool has_jit_kernel(Make&& make) {
+  try {
+    return !is_reference(make());
+  } catch (const dnnl::error&) {
+    return false;
+  }
+}
+
 TilePrimitive* tile_primitive(const Bf16Shape& s, bool accumulate, std::int64_t rows = kBf16TileRows,
                               std::int64_t cols = -1) {
   if (cols < 0) cols = s.N;
@@ -71,37 +86,50 @@ TilePrimitive* tile_primitive(const Bf16Shape& s, bool accumulate, std::int64_t 
   if (!slot) {
     const dnnl::memory::desc a({rows, s.K}, dt::bf16, dims{s.lda, 1});
     const dnnl::memory::desc c({rows, cols}, dt::f32, dims{s.ldc, 1});
-    dnnl::primitive_attr attr;
-    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
-    if (accumulate) {
-      dnnl::post_ops ops;
-      ops.append_sum(1.0f);
-      attr.set_post_ops(ops);
-    }
-    auto make = [&](const dnnl::memory::desc& b) {
-      return dnnl::matmul::primitive_desc(dnnl::matmul::desc(a, b, c), attr, engine());
+    auto attr_of = [](bool sum) {
+      dnnl::primitive_attr attr;
+      attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+      if (sum) {
+        dnnl::post_ops ops;
+        ops.append_sum(1.0f);
+        attr.set_post_ops(ops);
+      }
+      return attr;
+    };
+    auto make = [&](const dnnl::memory::desc& b, bool sum) {
+      return dnnl::matmul::primitive_desc(dnnl::matmul::desc(a, b, c), attr_of(sum), engine());
     };
     const dnnl::memory::desc any({s.K, cols}, dt::bf16, dnnl::memory::format_tag::any);
     bool in_place = false;
     dnnl::memory::desc b = any;
-    if (accumulate || rows != kBf16TileRows || cols != s.N) {
+    const bool base_shape = !(accumulate || rows != kBf16TileRows || cols != s.N);
+    if (!base_shape) {
       // B as the plain tile primitive reads it: in place, or in the layout the caller packed it in
       // for that one (named explicitly, so that the sum post-op cannot pick another).
       const TilePrimitive* base = tile_primitive(s, false);
       in_place = base->in_place;
       b = in_place ? plain_b(s, cols) : base->pd.weights_desc();
     } else {
-      const auto w = make(any).weights_desc();
+      const auto w = make(any, false).weights_desc();
       in_place = w == dnnl::memory::desc({s.K, s.N}, dt::bf16, dnnl::memory::format_tag::ab) ||
                  w == dnnl::memory::desc({s.K, s.N}, dt::bf16, dnnl::memory::format_tag::ba);
       if (in_place && packed_forced()) {  // the blocked layout of oneDNN's bf16 brgemm kernels
         in_place = false;
         b = dnnl::memory::desc({s.K, s.N}, dt::bf16, dnnl::memory::format_tag::BA16a64b2a);
-      } else if (in_place) {
-        b = plain_b(s, cols);
+      } else if (!in_place && !has_jit_kernel([&] { return make(w, true); })) {
+        // The accumulating tiles read the same packed B; where oneDNN would serve them only with its
+        // reference kernel, B is read in place instead (a jit kernel always takes a plain B).
+        in_place = true;
       }
+      if (in_place) b = plain_b(s, cols);
     }
-    const auto pd = make(b);
+    const auto pd = make(b, accumulate);
+    // oneDNN's reference matmul serves what its jit kernels refuse, 100-1000x slower: never on the
+    // product path. KVCOMP_BF16_PACKED=1 (tests) accepts it: brg:avx512_core_bf16 refuses row-strided
+    // tiles of a packed B, so there the reference kernel checks our packing and tiling.
+    if (is_reference(pd) && !packed_forced())
+      throw std::runtime_error(std::string("[kvcomp] oneDNN offers only its reference kernel (") +
+                               pd.impl_info_str() + ") for a bf16 product tile");
     slot = std::make_unique<TilePrimitive>(TilePrimitive{pd, dnnl::matmul(pd), in_place});
   }
   return slot.get();

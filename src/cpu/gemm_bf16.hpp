@@ -77,7 +77,12 @@ bool bf16_backward_products();
 // into oneDNN's blocked layout even where its kernel would read it in place
 // (AVX512-BF16), so that such a machine tests the code AMX runs (packing,
 // packed prepared weights, 64-row tiles); results stay row-stable and
-// deterministic, and decode calls pad to 64 rows, so it is for tests only.
+// deterministic, but it is for tests only: decode calls pad to 64 rows, and
+// oneDNN 2.6's brg:avx512_core_bf16 refuses row-strided tiles of a packed B,
+// so most tiles run on its reference kernel there (seconds per call).
+// Outside that mode a tile oneDNN would give only its reference kernel is
+// refused (an error, never a 1000x slower product), and a shape whose
+// accumulating tiles would need it reads B in place instead of packed.
 const char* product_kernels();
 
 // One product shape: C[M, N] (+)= A[M, K] . B[K, N], A bf16 row-major with
