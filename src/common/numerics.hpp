@@ -140,7 +140,6 @@ KVCOMP_HD double fma_d(double a, double b, double c) {
 // Within 1 ulp of exp (tests/kernels, ExpNonpositive); exp(-inf) = 0, NaN
 // stays NaN; results below 2^-1022 flush to 0 (they are < 1e-307 of the
 // block's largest weight, which is 1).
-
 KVCOMP_HD double exp_nonpositive(double x) {
   constexpr double kLog2e = 1.4426950408889634;
   constexpr double kLn2Hi = 6.93147180369123816490e-01;  // 33 significant bits

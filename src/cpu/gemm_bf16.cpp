@@ -102,8 +102,7 @@ TilePrimitive* tile_primitive(const Bf16Shape& s, bool accumulate, std::int64_t 
     const dnnl::memory::desc any({s.K, cols}, dt::bf16, dnnl::memory::format_tag::any);
     bool in_place = false;
     dnnl::memory::desc b = any;
-    const bool base_shape = !(accumulate || rows != kBf16TileRows || cols != s.N);
-    if (!base_shape) {
+    if (accumulate || rows != kBf16TileRows || cols != s.N) {
       // B as the plain tile primitive reads it: in place, or in the layout the caller packed it in
       // for that one (named explicitly, so that the sum post-op cannot pick another).
       const TilePrimitive* base = tile_primitive(s, false);
@@ -188,8 +187,11 @@ bool bf16_backward_products() {
   if (bf16_split_products()) return true;  // AMX, or KVCOMP_PRODUCTS=bf16
   // AVX512-BF16 without AMX: faster than fp32 on AMD (Zen 4: about 1.5x), slower on Intel (about
   // 0.5-0.65x; Cooper Lake, or a Xeon whose AMX the hypervisor hides), docs/performance.md.
-  __builtin_cpu_init();
-  return __builtin_cpu_is("amd");
+  static const bool amd = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") != 0;
+  }();
+  return amd;
 }
 
 const char* product_kernels() {
