@@ -15,7 +15,6 @@ step bash scripts/install-cuda.sh
 step bash scripts/build.sh
 step bash scripts/check-deps.sh
 step ctest --test-dir build --output-on-failure --parallel "$(nproc)" --timeout 900
-step bash scripts/test-clang.sh
 step bash scripts/test-python312.sh
 step bash scripts/test-prefix-deps.sh
 step bash scripts/test-sanitizers.sh
