@@ -7,7 +7,7 @@
 #      suite with the ASan runtime preloaded into the interpreter. This is also
 #      the test command's clang build (the second toolchain; scripts/test-clang.sh
 #      is the same without sanitizers, for a local run): clang compiles the
-#      instrumented project in 2.2 minutes where g++ took 5.5 on 2 cores;
+#      instrumented project in 2.6 minutes where g++ took 5.5 on 2 cores;
 #   2. build-tsan: only the concurrency test, under ThreadSanitizer (g++);
 #   3. build-fuzz: the libFuzzer targets (clang), replaying the committed
 #      corpora and fuzzing each for a bounded time (30 s in the test command,
