@@ -43,7 +43,12 @@ class DeviceGuard {
 
 // The cuBLASLt handle of the current device, created once per device and
 // process (kept until exit: handles are thread-safe for concurrent matmuls).
+// Loads cuBLASLt first (load_cublaslt).
 Status lt_handle(cublasLtHandle_t* out);
+
+// Loads cuBLASLt and resolves the functions the backend calls (cublaslt_loader.cpp), once per
+// process; 361001 with the loader's reason when the library cannot be found.
+Status load_cublaslt();
 
 // The chunk plan and its device copy. The device arrays are stream-ordered
 // allocations on the plan's stream, freed on it when the plan goes: a

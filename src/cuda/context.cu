@@ -50,6 +50,7 @@ bool split_k_products() {
 }
 
 Status lt_handle(cublasLtHandle_t* out) {
+  if (Status s = load_cublaslt(); !s.ok()) return s;
   static std::mutex mutex;
   static std::vector<cublasLtHandle_t> handles;
   int device = 0;
