@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Python 3.12 (part of the test command, scripts/test.sh): `pip install .` of the repository into a
-# clean Python 3.12 venv, with the Python stack of the GPU machine (torch 2.11.0, numpy 2.5.2; torch
+# Python 3.12 venv that holds only the Python stack of the GPU machine (torch 2.11.0, numpy 2.5.2; torch
 # from PyPI is the CUDA 13.0 build, about 4.7 GB in the venv, which runs on the CPU here), then the
 # Python test suite (all files but one, below) against that install, then `pip uninstall`
-# (tests/python/pip_install_check.py).
+# (tests/python/pip_install_check.py). The venv is kept under ~/.cache/kvcomp/py312-venv
+# ($KVCOMP_PY312_VENV) and reused while the interpreter and the pinned deps are unchanged.
 # The interpreter: $KVCOMP_PYTHON312, else pyenv's newest 3.12, else python3.12 on PATH.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +31,9 @@ fi
 # being multi-threaded already.)
 tests=$(cd tests/python && ls test_*.py | grep -vx test_products.py)
 # shellcheck disable=SC2086
-python3 tests/python/pip_install_check.py --python "$py" --modes regular \
+# The venv with those deps is kept between runs (torch's 4.7 GB took about 110 s to install into each
+# fresh one); kvcomp itself is installed, tested and uninstalled in it on every run.
+venv=${KVCOMP_PY312_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcomp/py312-venv}
+python3 tests/python/pip_install_check.py --python "$py" --modes regular --keep-venv "$venv" \
   --deps "torch==2.11.0 numpy==2.5.2 pytest hypothesis" --tests $tests
 echo "[kvcomp] Python 3.12 run passed ($("$py" --version))"

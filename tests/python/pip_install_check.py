@@ -14,7 +14,9 @@ Two ways to provide torch, numpy and pytest in the venv:
     build is then made without isolation from its scikit-build-core and nanobind, so no network is
     needed;
   * ``--deps "torch==2.11.0 numpy==2.5.2 ..."`` (scripts/test-python312.sh): pip-installed into the
-    clean venv, and the build runs in pip's isolated build environment.
+    clean venv, and the build runs in pip's isolated build environment. With ``--keep-venv DIR`` that
+    venv is made once and reused by later runs (installing torch took about 110 s of each run): kvcomp
+    is still installed, tested and uninstalled in it each time, and must leave nothing behind.
 
 Exit status 0 when every check held.
 """
@@ -77,25 +79,59 @@ def check_import(py, env, pkg_under, ext_under):
             raise SystemExit(f"{what} was imported from {path}, expected under {under}")
 
 
-def one_mode(args, editable, work):
-    venv = os.path.join(work, "venv-editable" if editable else "venv")
-    env = clean_env()
-    cmd = [args.python, "-m", "venv", venv]
-    if args.system_site_packages:
-        cmd.append("--system-site-packages")
-    run(cmd, env=env)
+def kept_venv(args, env):
+    """The venv of ``--keep-venv``: made once with ``--deps`` and reused while the interpreter and the
+    deps are the same (a marker file names both; written only once the deps are installed, so a run
+    cut short is started again). A kvcomp left in it by a run cut short is uninstalled first."""
+    venv = args.keep_venv
+    marker = os.path.join(venv, "kvcomp-pip-check-deps")
+    want = f"{os.path.realpath(args.python)}\n{args.deps}\n"
     py = os.path.join(venv, "bin", "python")
-    if args.deps:
-        run([py, "-m", "pip", "install", "--quiet"] + args.deps.split(), env=env)
+    try:
+        with open(marker) as f:
+            reuse = f.read() == want and os.access(py, os.X_OK)
+    except OSError:
+        reuse = False
+    if reuse:
+        log(f"reusing the venv {venv} (its deps: {args.deps})")
+        if installed_files(py, env):
+            log("kvcomp is installed there (an earlier run was cut short): uninstalled first")
+            run([py, "-m", "pip", "uninstall", "--yes", "--quiet", "kvcomp"], env=env)
+        return py
+    shutil.rmtree(venv, ignore_errors=True)
+    run([args.python, "-m", "venv", venv], env=env)
+    run([py, "-m", "pip", "install", "--quiet"] + args.deps.split(), env=env)
+    with open(marker, "w") as f:
+        f.write(want)
+    return py
+
+
+def one_mode(args, editable, work):
+    env = clean_env()
+    if args.keep_venv:
+        py = kept_venv(args, env)
+    else:
+        venv = os.path.join(work, "venv-editable" if editable else "venv")
+        cmd = [args.python, "-m", "venv", venv]
+        if args.system_site_packages:
+            cmd.append("--system-site-packages")
+        run(cmd, env=env)
+        py = os.path.join(venv, "bin", "python")
+        if args.deps:
+            run([py, "-m", "pip", "install", "--quiet"] + args.deps.split(), env=env)
     site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], env=env,
                           check=True, text=True, stdout=subprocess.PIPE).stdout.strip()
     before = set(installed_files(py, env))
     if before:
-        raise SystemExit(f"kvcomp is already installed in the fresh venv: {sorted(before)[:3]}")
+        raise SystemExit(f"kvcomp is already installed in the venv: {sorted(before)[:3]}")
 
     install = [py, "-m", "pip", "install", "--quiet"]
     if args.system_site_packages:
         install.append("--no-build-isolation")  # scikit-build-core and nanobind of the base interpreter
+        # Both modes compile the same CMake project with the same settings: the second install
+        # reuses the first's build folder (the compile took about 45 s of each on 2 cores), while
+        # what differs, how the result is installed and found, is still checked for each.
+        install.append("--config-settings=build-dir=" + os.path.join(work, "build"))
     install += ["-e", ROOT] if editable else [ROOT]
     run(install, env=env)
     files = installed_files(py, env)
@@ -130,6 +166,9 @@ def main():
     ap.add_argument("--system-site-packages", action="store_true",
                     help="let the venv see this interpreter's packages (torch, pytest, scikit-build-core)")
     ap.add_argument("--deps", default="", help="packages to pip-install into the clean venv first")
+    ap.add_argument("--keep-venv", default="",
+                    help="with --deps: a venv folder kept between runs (made once, reused while the "
+                         "interpreter and the deps are the same) instead of a fresh one")
     ap.add_argument("--modes", default="regular,editable", help="regular, editable or both (comma-separated)")
     ap.add_argument("--tests", nargs="*", default=["test_functional.py"],
                     help="tests/python files run against the regular install")
@@ -138,6 +177,8 @@ def main():
     args = ap.parse_args()
     if not args.system_site_packages and not args.deps:
         ap.error("give --system-site-packages or --deps (the tests need torch, numpy and pytest)")
+    if args.keep_venv and (not args.deps or args.system_site_packages):
+        ap.error("--keep-venv goes with --deps, without --system-site-packages")
     work = tempfile.mkdtemp(prefix="kvcomp-pip-")
     try:
         for mode in args.modes.split(","):
