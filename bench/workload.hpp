@@ -83,7 +83,8 @@ class DecodeWorkload {
 // The operator's matrix products alone, by oneDNN with its own threading:
 // forward x[T,H] . W[2C,H]^T; backward dnew[T,2C] . W[2C,H] and
 // dnew^T . x[T,H]. Operands f32 or bf16 (bf16 throws dnnl::error where
-// oneDNN has no bf16 matmul, e.g. oneDNN 2.6 without avx512_core).
+// oneDNN has no bf16 matmul, e.g. oneDNN 2.6 without avx512_core); with
+// bf16 operands W is held pre-packed in the layout the kernel reads.
 class Products {
  public:
   enum class Which { forward, backward };

@@ -256,8 +256,9 @@ int run_bench(const BenchOptions& o) {
       "f32).\n"
       "x f32p, x 16p: operator time / time of its matrix products alone (oneDNN, library threading, same "
       "threads)\n"
-      "  with fp32 / bf16 operands (n/a: no bf16 matmul on this CPU). Flops: forward 4*T*C*H, backward "
-      "8*T*C*H.\n"
+      "  with fp32 / bf16 operands (n/a: no bf16 matmul on this CPU; bf16: the weights pre-packed in the "
+      "layout\n"
+      "  the kernel reads, reordered before timing). Flops: forward 4*T*C*H, backward 8*T*C*H.\n"
       "cmp%%: tokens inside compressed blocks (the backward's products skip whole chunks without any);\n"
       "TH/n: n sequences, lengths uniform in [0.5, 1.5] x T/n. peak MiB: the process's peak RSS in the "
       "case.\n"
@@ -266,7 +267,7 @@ int run_bench(const BenchOptions& o) {
       "  close: every sequence does; c/o their ratio; both with the weights prepared once "
       "(prepare_weights);\n"
       "  raw: the close call converting or packing the weights itself; 16p / f32p: the call's product\n"
-      "  x[B*tok, H] . W[2C, H]^T alone;\n"
+      "  x[B*tok, H] . W[2C, H]^T alone (16p: W pre-packed);\n"
       "  x prod: close / the product alone of the kind the call uses.\n");
   return kExitOk;
 }
