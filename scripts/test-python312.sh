@@ -30,10 +30,10 @@ fi
 # (pytest-xdist was tried here: 2 workers took 140-157 s against 168 s in one process, the tests
 # being multi-threaded already.)
 tests=$(cd tests/python && ls test_*.py | grep -vx test_products.py)
-# shellcheck disable=SC2086
 # The venv with those deps is kept between runs (torch's 4.7 GB took about 110 s to install into each
 # fresh one); kvcomp itself is installed, tested and uninstalled in it on every run.
 venv=${KVCOMP_PY312_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcomp/py312-venv}
+# shellcheck disable=SC2086
 python3 tests/python/pip_install_check.py --python "$py" --modes regular --keep-venv "$venv" \
   --deps "torch==2.11.0 numpy==2.5.2 pytest hypothesis" --tests $tests
 echo "[kvcomp] Python 3.12 run passed ($("$py" --version))"

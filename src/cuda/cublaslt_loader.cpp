@@ -1,9 +1,9 @@
 // cuBLASLt, loaded when a CUDA call first needs it instead of when libkvcomp is loaded.
 //
-// libcublasLt is a 540 MB library whose start-up code touches about 100 MB of its pages: as a
-// dependency of libkvcomp it cost every process that loads kvcomp 80 ms and 100 MB of resident
-// memory (measured on a 2-core Xeon: `kvcomp --version` took 90 ms, 80 of them loading cuBLASLt),
-// though a process that never runs a CUDA call never calls it. So libkvcomp does not list it as a
+// libcublasLt is a 540 MB library whose loading touches about 100 MB of its pages: as a dependency
+// of libkvcomp it cost every process that loads kvcomp 70-80 ms and 140-200 MB of peak resident
+// memory (measured on a 2-core Xeon: `kvcomp --version` took 0.09-0.11 s at 214 MB, now under 0.02 s
+// at 7.6 MB), though a process that never runs a CUDA call never calls it. So libkvcomp does not list it as a
 // dependency. This file defines the eleven cuBLASLt functions the backend calls (gemm.cu,
 // context.cu), hidden in libkvcomp (and in the CLI, which compiles the same objects), each
 // forwarding to the real one; load_cublaslt() dlopens the library and resolves them, once per
@@ -77,6 +77,7 @@ const Library& library() {
       if (!r.entries[i]) {
         r.error = std::string("[kvcomp] ") + kSoname + " must define " + kNames[i];
         for (void*& p : r.entries) p = nullptr;
+        ::dlclose(h);
         return r;
       }
     }
@@ -93,8 +94,9 @@ Status load_cublaslt() {
   return Status::success();
 }
 
-// The real function of entry i as the type of its declaration in cublasLt.h; null while the
-// library is not loaded (the forwarders then answer CUBLAS_STATUS_NOT_INITIALIZED).
+// The real function of entry i as the type of its declaration in cublasLt.h (the first call loads
+// the library); null when it could not be loaded: the forwarders then answer
+// CUBLAS_STATUS_NOT_INITIALIZED (lt_handle reports load_cublaslt's reason before any of them runs).
 template <typename F>
 F cublaslt_entry(int i) {
   return reinterpret_cast<F>(library().entries[i]);
