@@ -99,10 +99,22 @@ def kept_venv(args, env):
             run([py, "-m", "pip", "uninstall", "--yes", "--quiet", "kvcomp"], env=env)
         return py
     shutil.rmtree(venv, ignore_errors=True)
-    run([args.python, "-m", "venv", venv], env=env)
-    run([py, "-m", "pip", "install", "--quiet"] + args.deps.split(), env=env)
+    new_venv(args, venv, env)
     with open(marker, "w") as f:
         f.write(want)
+    return py
+
+
+def new_venv(args, venv, env):
+    """Makes the venv (seeing this interpreter's packages with --system-site-packages), installs
+    --deps into it, and returns its interpreter."""
+    cmd = [args.python, "-m", "venv", venv]
+    if args.system_site_packages:
+        cmd.append("--system-site-packages")
+    run(cmd, env=env)
+    py = os.path.join(venv, "bin", "python")
+    if args.deps:
+        run([py, "-m", "pip", "install", "--quiet"] + args.deps.split(), env=env)
     return py
 
 
@@ -111,14 +123,7 @@ def one_mode(args, editable, work):
     if args.keep_venv:
         py = kept_venv(args, env)
     else:
-        venv = os.path.join(work, "venv-editable" if editable else "venv")
-        cmd = [args.python, "-m", "venv", venv]
-        if args.system_site_packages:
-            cmd.append("--system-site-packages")
-        run(cmd, env=env)
-        py = os.path.join(venv, "bin", "python")
-        if args.deps:
-            run([py, "-m", "pip", "install", "--quiet"] + args.deps.split(), env=env)
+        py = new_venv(args, os.path.join(work, "venv-editable" if editable else "venv"), env)
     site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], env=env,
                           check=True, text=True, stdout=subprocess.PIPE).stdout.strip()
     before = set(installed_files(py, env))
