@@ -19,9 +19,14 @@ constexpr std::int64_t kTileN = 256;
 // oneDNN 2.6's sgemm kernels (row-major A[M,K] becomes the n dimension of its
 // column-major call). AVX-512 (avx512_core and up): every call with >= 16
 // rows computes each row alike. AVX2: the no-copy driver cuts n into blocks
-// of 64 (96 when our B is transposed), and rows in a final group of 1-3 rows
-// of the 6-row kernel are summed differently; blocks that are whole multiples
-// of 64 (96) have none, and with tiles of 192 rows every block is whole.
+// of 64 (96 when our B is transposed) and a block into groups of 6 rows;
+// a final group of 4 or 5 rows runs the 6-row kernel (masked), one of 1-3
+// rows a narrower kernel that sums in another order. So a call of one block
+// whose row count is 0, 4 or 5 modulo 6 computes every row as a whole block
+// does, and with tiles of 192 rows every block of a longer call is whole.
+// (Measured with Debian's oneDNN 2.6.3 on Zen 4 and on an AVX2-only EPYC: every
+// M <= 96 (B transposed) or <= 64 (B plain) against 192-row calls, K from 1 to
+// 10240, N from 1 to 256, rows at offsets 0-96, padded leading dimensions.)
 bool onednn_has_avx512() {
   static const bool yes = [] {
     const unsigned isa = static_cast<unsigned>(dnnl_get_effective_cpu_isa());
@@ -57,6 +62,13 @@ std::int64_t gemm_row_quantum(bool b_transposed) {
 
 std::int64_t gemm_padded_rows(std::int64_t rows, bool b_transposed) {
   const std::int64_t q = gemm_row_quantum(b_transposed);
+  if (q > 16 && rows > 0 && rows <= q) {
+    // AVX2, one driver block (decode-sized calls): the fewest rows >= `rows`
+    // that are 0, 4 or 5 modulo 6 (q itself is: 64 and 96 are), not q.
+    std::int64_t m = std::max<std::int64_t>(rows, 4);
+    while (m % 6 != 0 && m % 6 < 4) ++m;
+    return m;
+  }
   return (rows + q - 1) / q * q;
 }
 

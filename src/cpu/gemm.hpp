@@ -29,8 +29,9 @@ struct GemmOperand {
 // would not reproduce the one-call result bit for bit. Callers whose rows
 // are tokens therefore pass M padded to gemm_row_quantum(b.transposed) (the
 // padding rows of A zero, C with room for them); gemm_f32 cuts M into tiles
-// that are multiples of the quantum, so every row is computed by the same
-// kernel path: a row's result depends on that row of A and on B only.
+// that are multiples of the quantum (a padded count of at most one quantum
+// is one tile), so every row is computed by the same kernel path: a row's
+// result depends on that row of A and on B only.
 // KVCOMP_ROW_STABLE=0 in the environment turns this off (quantum 1, the
 // tiles of earlier releases) for decode-bound serving.
 std::int64_t gemm_row_quantum(bool b_transposed);
@@ -38,7 +39,9 @@ std::int64_t gemm_row_quantum(bool b_transposed);
 bool gemm_row_stable();
 // The largest value gemm_row_quantum returns (workspace sizing).
 constexpr std::int64_t kMaxRowQuantum = 96;
-// round_up(rows, gemm_row_quantum(b_transposed)).
+// round_up(rows, gemm_row_quantum(b_transposed)); on AVX2 a call of at most
+// one quantum pads only to the next row count of 0, 4 or 5 modulo 6 (1 -> 4
+// rows, not 96: gemm.cpp says why that computes each row alike).
 std::int64_t gemm_padded_rows(std::int64_t rows, bool b_transposed);
 // Rows a buffer of `rows` token rows needs so that either padding fits.
 inline std::int64_t gemm_row_capacity(std::int64_t rows) {

@@ -45,6 +45,33 @@ def test_chunked_prefill_equals_one_call(coff, T, cuts):
         assert torch.equal(rows, whole[0, first:first + rows.shape[0]])
 
 
+@pytest.mark.parametrize("hidden", [96, 1003])
+def test_every_small_row_count_equals_one_call(hidden):
+    """One sequence prefilled by calls of 1 to 20, 58 to 67 and 90 to 99 tokens, one after another
+    (on AVX2 a call of up to 64 or 96 rows is padded by its row count modulo 6, src/cpu/gemm.cpp):
+    every token's projection in the state cache equals the one-call prefill bit for bit."""
+    coff = 2
+    g = torch.Generator().manual_seed(hidden)
+    C = coff * D
+    wkv = (torch.randn(C, hidden, generator=g) / hidden**0.5).bfloat16()
+    wgate = (torch.randn(C, hidden, generator=g) / hidden**0.5).bfloat16()
+    ape = 0.5 * torch.randn(R, C, generator=g)
+    sizes = list(range(1, 21)) + list(range(58, 68)) + list(range(90, 100))
+    T, bs = sum(sizes), 8
+    x = torch.randn(1, T, hidden, generator=g).bfloat16()
+    cols = -(-T // bs)
+    table = torch.arange(1, cols + 1, dtype=torch.int32)[None]
+    cache = torch.zeros(cols + 1, bs, 2 * C)
+    kt.compressor(x, wkv, wgate, cache, ape, R, state_block_table=table, coff=coff)
+    cache2 = torch.zeros_like(cache)
+    lo = 0
+    for n in sizes:
+        kt.compressor(x[:, lo:lo + n], wkv, wgate, cache2, ape, R, state_block_table=table, coff=coff,
+                      start_pos=torch.tensor([lo], dtype=torch.int32))
+        lo += n
+    assert torch.equal(cache, cache2)
+
+
 @pytest.mark.parametrize("coff", [1, 2])
 @pytest.mark.parametrize("other", [1, 7, 15, 16, 63, 250, 1021])
 def test_sequence_alone_or_after_others(coff, other):
