@@ -289,3 +289,42 @@ def test_opcheck(layout, device):
     leaves = [t.clone().requires_grad_() for t in (case.x, case.wkv, case.wgate, case.ape)]
     anchor_args = (cmp_kv, *leaves, s, kv, *idx[1:], case.cmp_ratio, case.coff)
     torch.library.opcheck(torch.ops.kvcomp.compressor_grad_anchor.default, anchor_args)
+
+
+def test_call_without_gradient_skips_the_dispatcher_with_the_same_result():
+    """A call that records no gradient, on plain tensors in eager mode, runs the forward's implementation
+    without torch.library's dispatch (kvcomp/torch.py: about 140 us a call): the dispatched operator's
+    outputs and cache bits, the cache's version counter bumped. Under a dispatch mode (as under
+    torch.compile, test_compile.py) the operator is still dispatched, so the mode sees it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    case = make_case(lens=[13, 9], r=4, coff=2, start_pos=[5, 0], seed=11)
+    kw = case.kwargs()
+    caches = [case.state_cache.clone() for _ in range(3)]
+    assert kt._dispatch_free((case.x, case.wkv, case.wgate, case.ape), caches[0])
+    version = caches[0]._version
+    with torch.no_grad():
+        out = kt.compressor(case.x, case.wkv, case.wgate, caches[0], case.ape, 4, **kw)
+    assert caches[0]._version > version
+    ref, _, _ = torch.ops.kvcomp.compressor_forward(
+        case.x, case.wkv, case.wgate, caches[1], case.ape, kw["state_block_table"], kw["cu_seqlens"],
+        kw["seqused"], kw["start_pos"], 4, 2, kw["cache_mode"], False, None
+    )
+    assert torch.equal(out, ref) and torch.equal(caches[0], caches[1])
+    assert not torch.equal(caches[0], case.state_cache)
+    with torch.no_grad(), Seen() as mode:
+        assert not kt._dispatch_free((case.x,), caches[2])
+        out_m = kt.compressor(case.x, case.wkv, case.wgate, caches[2], case.ape, 4, **kw)
+    assert any("kvcomp.compressor_forward" in op for op in mode.ops)
+    assert torch.equal(out_m, ref) and torch.equal(caches[2], caches[1])
+    # A cache that requires a gradient keeps the dispatched path (whatever it does with it).
+    assert not kt._dispatch_free((case.x,), caches[2].clone().requires_grad_())
