@@ -20,13 +20,13 @@ constexpr std::int64_t kTileN = 256;
 // column-major call). AVX-512 (avx512_core and up): every call with >= 16
 // rows computes each row alike. AVX2: the no-copy driver cuts n into blocks
 // of 64 (96 when our B is transposed) and a block into groups of 6 rows;
-// a final group of 4 or 5 rows runs the 6-row kernel (masked), one of 1-3
-// rows a narrower kernel that sums in another order. So a call of one block
+// rows in a final group of 1-3 rows are summed in another order, those in a
+// final group of 4 or 5 rows as in a whole group. So a call of one block
 // whose row count is 0, 4 or 5 modulo 6 computes every row as a whole block
 // does, and with tiles of 192 rows every block of a longer call is whole.
-// (Measured with Debian's oneDNN 2.6.3 on Zen 4 and on an AVX2-only EPYC: every
-// M <= 96 (B transposed) or <= 64 (B plain) against 192-row calls, K from 1 to
-// 10240, N from 1 to 256, rows at offsets 0-96, padded leading dimensions.)
+// (Measured with Debian's oneDNN 2.6.3 on an AVX2-only AMD EPYC: every M <= 96
+// (B transposed) or <= 64 (B plain) against 192-row calls, K from 1 to 10240,
+// N from 1 to 256, rows at offsets 0-96, padded leading dimensions.)
 bool onednn_has_avx512() {
   static const bool yes = [] {
     const unsigned isa = static_cast<unsigned>(dnnl_get_effective_cpu_isa());
