@@ -119,11 +119,12 @@ def _dispatch_free(tensors, state_cache) -> bool:
         or _in_dispatch_mode()
         or torch._C._is_torch_function_mode_enabled()
         or torch.compiler.is_compiling()
-        or state_cache.requires_grad
     ):
         return False
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    return all(t is None or (type(t) in _PLAIN_TENSOR_TYPES and not wrapped(t)) for t in tensors)
+    if not all(t is None or (type(t) in _PLAIN_TENSOR_TYPES and not wrapped(t)) for t in tensors):
+        return False  # anything else (numpy arrays too) meets the operator's schema, as before
+    return state_cache is not None and not state_cache.requires_grad
 
 
 @compressor_forward_op.register_fake
