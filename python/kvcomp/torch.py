@@ -369,9 +369,9 @@ def forward_with_gradient(
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, wkv, wgate, ape))
     args = (x, wkv, wgate, state_cache, ape, state_block_table, cu_seqlens, seqused, start_pos, prepared_weights)
     if not needs_grad and _dispatch_free(args, state_cache):
-        out = _forward(x.detach(), wkv.detach(), wgate.detach(), state_cache, ape.detach(), state_block_table,
-                       cu_seqlens, seqused, start_pos, cmp_ratio, coff, cache_mode, bool(keep_intermediates),
-                       prepared_weights)
+        # No detach here: _functional takes detached views of its inputs itself.
+        out = _forward(x, wkv, wgate, state_cache, ape, state_block_table, cu_seqlens, seqused, start_pos,
+                       cmp_ratio, coff, cache_mode, bool(keep_intermediates), prepared_weights)
         torch.autograd.graph.increment_version(state_cache)  # as the dispatcher does for a mutated argument
         return out
     cmp_kv, softmax_score, kv = torch.ops.kvcomp.compressor_forward(

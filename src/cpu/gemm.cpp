@@ -62,7 +62,7 @@ std::int64_t gemm_row_quantum(bool b_transposed) {
 
 std::int64_t gemm_padded_rows(std::int64_t rows, bool b_transposed) {
   const std::int64_t q = gemm_row_quantum(b_transposed);
-  if (q > 16 && rows > 0 && rows <= q) {
+  if (row_stable() && !onednn_has_avx512() && rows > 0 && rows <= q) {
     // AVX2, one driver block (decode-sized calls): the fewest rows >= `rows`
     // that are 0, 4 or 5 modulo 6 (q itself is: 64 and 96 are), not q.
     std::int64_t m = std::max<std::int64_t>(rows, 4);

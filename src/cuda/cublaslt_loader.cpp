@@ -2,10 +2,10 @@
 //
 // libcublasLt is a 540 MB library whose loading touches about 100 MB of its pages: as a dependency
 // of libkvcomp it cost every process that loads kvcomp 70-80 ms and 140-200 MB of peak resident
-// memory (measured on a 2-core Xeon: `kvcomp --version` took 0.09-0.11 s at 214 MB, now under 0.02 s
-// at 7.6 MB), though a process that never runs a CUDA call never calls it. So libkvcomp does not list it as a
-// dependency. This file defines the eleven cuBLASLt functions the backend calls (gemm.cu,
-// context.cu), hidden in libkvcomp (and in the CLI, which compiles the same objects), each
+// memory (measured on a 2-core Xeon: `kvcomp --version` took 0.09-0.11 s at 214 MB, now under
+// 0.02 s at 7.6 MB), though a process that never runs a CUDA call never calls it. So libkvcomp
+// does not list it as a dependency. This file defines the eleven cuBLASLt functions the backend calls
+// (gemm.cu, context.cu), hidden in libkvcomp (and in the CLI, which compiles the same objects), each
 // forwarding to the real one; load_cublaslt() dlopens the library and resolves them, once per
 // process, before the first handle is created. The library is found as a linked one would be: by
 // its soname, through the RUNPATH of libkvcomp (the CUDA library folder this build linked libcudart

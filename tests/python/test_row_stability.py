@@ -12,11 +12,11 @@ import kvcomp.torch as kt
 H, D, R = 96, 16, 4
 
 
-def _weights(coff, seed=3):
+def _weights(coff, seed=3, hidden=H):
     g = torch.Generator().manual_seed(seed)
     C = coff * D
-    wkv = (torch.randn(C, H, generator=g) / H**0.5).bfloat16()
-    wgate = (torch.randn(C, H, generator=g) / H**0.5).bfloat16()
+    wkv = (torch.randn(C, hidden, generator=g) / hidden**0.5).bfloat16()
+    wgate = (torch.randn(C, hidden, generator=g) / hidden**0.5).bfloat16()
     ape = 0.5 * torch.randn(R, C, generator=g)
     return wkv, wgate, ape
 
@@ -51,17 +51,13 @@ def test_every_small_row_count_equals_one_call(hidden):
     (on AVX2 a call of up to 64 or 96 rows is padded by its row count modulo 6, src/cpu/gemm.cpp):
     every token's projection in the state cache equals the one-call prefill bit for bit."""
     coff = 2
-    g = torch.Generator().manual_seed(hidden)
-    C = coff * D
-    wkv = (torch.randn(C, hidden, generator=g) / hidden**0.5).bfloat16()
-    wgate = (torch.randn(C, hidden, generator=g) / hidden**0.5).bfloat16()
-    ape = 0.5 * torch.randn(R, C, generator=g)
+    wkv, wgate, ape = _weights(coff, seed=hidden, hidden=hidden)
     sizes = list(range(1, 21)) + list(range(58, 68)) + list(range(90, 100))
     T, bs = sum(sizes), 8
-    x = torch.randn(1, T, hidden, generator=g).bfloat16()
+    x = torch.randn(1, T, hidden, generator=torch.Generator().manual_seed(T)).bfloat16()
     cols = -(-T // bs)
     table = torch.arange(1, cols + 1, dtype=torch.int32)[None]
-    cache = torch.zeros(cols + 1, bs, 2 * C)
+    cache = torch.zeros(cols + 1, bs, 2 * coff * D)
     kt.compressor(x, wkv, wgate, cache, ape, R, state_block_table=table, coff=coff)
     cache2 = torch.zeros_like(cache)
     lo = 0
