@@ -178,7 +178,7 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
         std::fill(buf.xf + i * buf.ld_h, buf.xf + i * buf.ld_h + H, 0.0f);
       // [new_kv | new_score] = x . [wkv ; wgate]^T
       if (!gemm_f32(n_pad, 2 * C, H, {buf.xf, buf.ld_h, false}, {wcat, buf.ld_h, true}, rows, buf.ld_c2,
-                    false, num_threads))
+                    false, num_threads, n))
         return {StatusCode::runtime_error, "[kvcomp] oneDNN matmul for the projections failed"};
     }
     add_ape(plan, static_cast<const float*>(args.ape.data), buf.proj, first, buf.ld_c2, a, b, num_threads);

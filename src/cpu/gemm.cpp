@@ -6,6 +6,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
+#include <memory>
+
+#include "cpu/gemm_rows.hpp"
+#include "cpu/isa.hpp"
 
 namespace kvcomp::detail {
 
@@ -50,9 +55,67 @@ bool row_stable() {
 
 std::int64_t tile_m() { return onednn_has_avx512() || !row_stable() ? 256 : 192; }
 
+// Compares gemm_rows_avx2 with sgemm bit for bit: every row count 1-8 against the rows of a 12-row
+// call (two whole groups of 6: the long-call path), over K that take each branch of
+// sgemm_k_blocks, with leading dimensions that are not multiples of 16. False at the first
+// difference, or when the buffers cannot be allocated (std::malloc: the fp32 products allocate
+// nothing with operator new, docs/robustness.md).
+bool rows_kernel_matches_sgemm() {
+  constexpr std::int64_t rows = 12, n = 32, k_max = 4096, ld = k_max + 5;
+  const std::size_t floats = static_cast<std::size_t>((rows + n) * ld + (rows + kRowsKernelMax) * n);
+  const std::unique_ptr<float, decltype(&std::free)> mem(
+      static_cast<float*>(std::malloc(floats * sizeof(float))), &std::free);
+  if (!mem) return false;
+  float* const a = mem.get();
+  float* const b = a + rows * ld;
+  float* const ref = b + n * ld;
+  float* const out = ref + rows * n;
+  // Values of many magnitudes and both signs, so that the order of additions shows in the bits.
+  std::uint32_t state = 0x9e3779b9u;
+  for (std::size_t i = 0; i < static_cast<std::size_t>((rows + n) * ld); ++i) {
+    state = state * 1664525u + 1013904223u;
+    a[i] = static_cast<float>(static_cast<std::int32_t>(state >> 8) - (1 << 23)) /
+           static_cast<float>(1u << (state & 15u));
+  }
+  for (const std::int64_t k : {std::int64_t{3}, std::int64_t{256}, std::int64_t{300}, std::int64_t{511},
+                               std::int64_t{1003}, std::int64_t{1539}, k_max}) {
+    if (dnnl_sgemm('N', 'T', rows, n, k, 1.0f, a, ld, b, ld, 0.0f, ref, n) != dnnl_success) return false;
+    for (std::int64_t m = 1; m <= kRowsKernelMax; ++m) {
+      // The last m rows: a run that does not start at a group boundary.
+      gemm_rows_avx2(m, n, k, a + (rows - m) * ld, ld, b, ld, out, n);
+      if (std::memcmp(out, ref + (rows - m) * n, static_cast<std::size_t>(m * n) * sizeof(float)) != 0)
+        return false;
+    }
+  }
+  return true;
+}
+
+// Whether gemm_f32 runs calls of at most kRowsKernelMax live rows on gemm_rows_avx2 (decided once per
+// process): row stability on, oneDNN on its AVX2 kernels (no AVX-512), the CPU with AVX2 and FMA and
+// kvcomp's own kernels not capped below them (KVCOMP_ISA), and the kernel matching sgemm here.
+bool use_rows_kernel() {
+  static const bool yes = [] {
+    if (!row_stable() || onednn_has_avx512() || active_isa() < Isa::avx2) return false;
+    const unsigned isa = static_cast<unsigned>(dnnl_get_effective_cpu_isa());
+    const unsigned avx2 = static_cast<unsigned>(dnnl_cpu_isa_avx2);
+    if ((isa & avx2) != avx2) return false;
+    // sgemm on one thread, as gemm_f32 calls it (with more, it may split K and sum otherwise).
+    bool matches = false;
+#pragma omp parallel num_threads(1)
+    {
+      omp_set_num_threads(1);
+      matches = rows_kernel_matches_sgemm();
+    }
+    return matches;
+  }();
+  return yes;
+}
+
 }  // namespace
 
 bool gemm_row_stable() { return row_stable(); }
+
+bool gemm_rows_kernel_active() { return use_rows_kernel(); }
 
 std::int64_t gemm_row_quantum(bool b_transposed) {
   if (!row_stable()) return 1;
@@ -79,7 +142,7 @@ std::int64_t gemm_padded_rows(std::int64_t rows, bool b_transposed) {
 // split by omp_get_max_threads() when it is not already inside an active
 // parallel region, which is the case with one thread.
 bool gemm_f32(std::int64_t M, std::int64_t N, std::int64_t K, GemmOperand a, GemmOperand b, float* c,
-              std::int64_t ldc, bool accumulate, int num_threads) {
+              std::int64_t ldc, bool accumulate, int num_threads, std::int64_t live_rows) {
   if (M <= 0 || N <= 0) return true;
   if (K <= 0) {
     if (!accumulate)
@@ -91,6 +154,11 @@ bool gemm_f32(std::int64_t M, std::int64_t N, std::int64_t K, GemmOperand a, Gem
   const std::int64_t tiles_n = (N + kTileN - 1) / kTileN;
   const std::int64_t tiles = tiles_m * tiles_n;
   const float beta = accumulate ? 1.0f : 0.0f;
+  // Few live rows (decode) on AVX2: tiles of whole 16-column groups skip the padding rows
+  // (gemm_rows.hpp); a tile with a partial group, whose last columns sgemm sums in another order,
+  // stays with sgemm on all M rows.
+  const bool rows_kernel = live_rows > 0 && live_rows <= kRowsKernelMax && live_rows <= M && !accumulate &&
+                           !a.transposed && b.transposed && use_rows_kernel();
   std::atomic<bool> ok{true};
 #pragma omp parallel num_threads(static_cast<int>(std::min<std::int64_t>(num_threads, tiles)))
   {
@@ -104,6 +172,10 @@ bool gemm_f32(std::int64_t M, std::int64_t N, std::int64_t K, GemmOperand a, Gem
       // Row-major: A[M,K] (or stored [K,M] when transposed), B[K,N] (or [N,K]).
       const float* a_ptr = a.transposed ? a.ptr + m0 : a.ptr + m0 * a.ld;
       const float* b_ptr = b.transposed ? b.ptr + n0 * b.ld : b.ptr + n0;
+      if (rows_kernel && nt % 16 == 0) {
+        gemm_rows_avx2(live_rows, nt, K, a_ptr, a.ld, b_ptr, b.ld, c + n0, ldc);
+        continue;
+      }
       if (dnnl_sgemm(a.transposed ? 'T' : 'N', b.transposed ? 'T' : 'N', mt, nt, K, 1.0f, a_ptr, a.ld, b_ptr,
                      b.ld, beta, c + m0 * ldc + n0, ldc) != dnnl_success)
         ok = false;

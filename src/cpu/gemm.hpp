@@ -50,9 +50,15 @@ inline std::int64_t gemm_row_capacity(std::int64_t rows) {
 }
 
 // C[M,N] = A[M,K] * B[K,N] (+ C when accumulate). C is row-major with ldc.
+// live_rows (when given): rows of A from live_rows on are zero padding (row stability) whose rows of
+// C the caller does not read; a call may then leave them unwritten (gemm_rows.hpp: decode-sized
+// calls on AVX2).
 // Returns false if oneDNN failed (out of memory for its packing buffers); C
 // is then undefined. Allocates nothing itself.
 bool gemm_f32(std::int64_t M, std::int64_t N, std::int64_t K, GemmOperand a, GemmOperand b, float* c,
-              std::int64_t ldc, bool accumulate, int num_threads);
+              std::int64_t ldc, bool accumulate, int num_threads, std::int64_t live_rows = -1);
+// True when gemm_f32 runs calls of few live rows on its own AVX2 kernel (gemm_rows.hpp), decided
+// once per process (the first call checks the kernel against sgemm).
+bool gemm_rows_kernel_active();
 
 }  // namespace kvcomp::detail

@@ -12,9 +12,9 @@ import kvcomp.torch as kt
 H, D, R = 96, 16, 4
 
 
-def _weights(coff, seed=3, hidden=H):
+def _weights(coff, seed=3, hidden=H, d=D):
     g = torch.Generator().manual_seed(seed)
-    C = coff * D
+    C = coff * d
     wkv = (torch.randn(C, hidden, generator=g) / hidden**0.5).bfloat16()
     wgate = (torch.randn(C, hidden, generator=g) / hidden**0.5).bfloat16()
     ape = 0.5 * torch.randn(R, C, generator=g)
@@ -45,19 +45,21 @@ def test_chunked_prefill_equals_one_call(coff, T, cuts):
         assert torch.equal(rows, whole[0, first:first + rows.shape[0]])
 
 
-@pytest.mark.parametrize("hidden", [96, 1003])
-def test_every_small_row_count_equals_one_call(hidden):
+@pytest.mark.parametrize("hidden,d", [(96, 16), (1003, 16), (4096, 16), (300, 6)])
+def test_every_small_row_count_equals_one_call(hidden, d):
     """One sequence prefilled by calls of 1 to 20, 58 to 67 and 90 to 99 tokens, one after another
-    (on AVX2 a call of up to 64 or 96 rows is padded by its row count modulo 6, src/cpu/gemm.cpp):
-    every token's projection in the state cache equals the one-call prefill bit for bit."""
+    (on AVX2 a call of up to 8 rows runs on kvcomp's own kernel, src/cpu/gemm_rows.hpp, and a longer
+    call of up to 64 or 96 rows is padded by its row count modulo 6, src/cpu/gemm.cpp): every token's
+    projection in the state cache equals the one-call prefill bit for bit. d = 6 gives 24 projection
+    columns: a partial 16-column group, which the kernel leaves to sgemm."""
     coff = 2
-    wkv, wgate, ape = _weights(coff, seed=hidden, hidden=hidden)
+    wkv, wgate, ape = _weights(coff, seed=hidden, hidden=hidden, d=d)
     sizes = list(range(1, 21)) + list(range(58, 68)) + list(range(90, 100))
     T, bs = sum(sizes), 8
     x = torch.randn(1, T, hidden, generator=torch.Generator().manual_seed(T)).bfloat16()
     cols = -(-T // bs)
     table = torch.arange(1, cols + 1, dtype=torch.int32)[None]
-    cache = torch.zeros(cols + 1, bs, 2 * coff * D)
+    cache = torch.zeros(cols + 1, bs, 2 * coff * d)
     kt.compressor(x, wkv, wgate, cache, ape, R, state_block_table=table, coff=coff)
     cache2 = torch.zeros_like(cache)
     lo = 0

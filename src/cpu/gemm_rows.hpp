@@ -1,0 +1,51 @@
+// Products of 1-8 rows that give each row the bits oneDNN's AVX2 sgemm gives it in a long call.
+//
+// Row stability (gemm.hpp) pads a decode-sized fp32 product on AVX2 to 4 or more rows, and sgemm's
+// few-row path with B transposed then runs at about half the rate of its one-row path (docs/
+// performance.md). This kernel computes C[m, n] = A[m, K] . B[n, K]^T for m <= 8 in the order
+// oneDNN 2.6's AVX2 sgemm sums an element of a whole 16-column group: one fma chain per element and
+// K block, from zero, the blocks added in order (sgemm_k_blocks). So a token's row is bitwise the
+// row the same token gets from a 192-row tile, without the padding rows. The order was measured, not
+// documented: gemm.cpp checks it against sgemm once per process before the first use and keeps the
+// padding when it differs.
+#pragma once
+
+#include <cstdint>
+
+namespace kvcomp::detail {
+
+// The K blocks of oneDNN 2.6's AVX2 sgemm (Debian 2.6.3, measured for K 1-18432): one block up to
+// 256; beyond, blocks of 256 while more than 512 remain, then the rest in two halves (the first
+// rounded up).
+struct KBlocks {
+  int count = 0;
+  std::int64_t full = 0;  // leading blocks of 256
+  std::int64_t k = 0;
+  std::int64_t half = 0;  // the first of the two last blocks
+
+  std::int64_t begin(int i) const { return i <= full ? 256 * i : 256 * full + half; }
+  std::int64_t end(int i) const { return i + 1 < count ? begin(i + 1) : k; }
+};
+inline KBlocks sgemm_k_blocks(std::int64_t k) {
+  KBlocks b;
+  b.k = k;
+  if (k <= 256) {
+    b.count = 1;
+    b.half = k;
+    return b;
+  }
+  while (k - 256 * b.full > 512) ++b.full;
+  b.half = (k - 256 * b.full + 1) / 2;
+  b.count = static_cast<int>(b.full) + 2;
+  return b;
+}
+
+// The rows a call of the kernel may have.
+inline constexpr std::int64_t kRowsKernelMax = 8;
+
+// C[m, n] = A[m, k] . B[n, k]^T (A row-major with lda, B stored [n, k] with ldb, C row-major with ldc),
+// 1 <= m <= kRowsKernelMax, n a multiple of 16, k >= 1. AVX2 + FMA only (gemm_rows_avx2.cpp).
+void gemm_rows_avx2(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,
+                    const float* b, std::int64_t ldb, float* c, std::int64_t ldc);
+
+}  // namespace kvcomp::detail

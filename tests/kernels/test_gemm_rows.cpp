@@ -1,0 +1,102 @@
+// The AVX2 kernel for products of 1-8 rows (src/cpu/gemm_rows.hpp) against oneDNN's sgemm: every row
+// it computes must carry the bits sgemm gives the same row inside a long call (a 192-row tile, the
+// rows of a prefill), for every K, column count and row position. ctest runs this with oneDNN capped
+// at AVX2 and on one thread (the kernel's order is that of the AVX2 sgemm, single-threaded, the way
+// gemm_f32 calls it), so it runs on AVX-512 machines too; without AVX2 it reports itself skipped.
+#include <gtest/gtest.h>
+#include <oneapi/dnnl/dnnl.h>
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <utility>
+#include <vector>
+
+#include "cpu/gemm_rows.hpp"
+#include "cpu/isa.hpp"
+
+namespace kvcomp::detail {
+namespace {
+
+using i64 = std::int64_t;
+
+bool onednn_on_avx2_kernels() {
+  const unsigned isa = static_cast<unsigned>(dnnl_get_effective_cpu_isa());
+  const unsigned avx2 = static_cast<unsigned>(dnnl_cpu_isa_avx2);
+  const unsigned avx512 = static_cast<unsigned>(dnnl_cpu_isa_avx512_core);
+  return (isa & avx2) == avx2 && (isa & avx512) != avx512;
+}
+
+#define SKIP_WITHOUT_AVX2()                                                                   \
+  do {                                                                                        \
+    if (detected_isa() < Isa::avx2) GTEST_SKIP() << "the CPU lacks AVX2 + FMA";               \
+    if (!onednn_on_avx2_kernels())                                                            \
+      GTEST_SKIP() << "oneDNN is not on its AVX2 kernels (ctest sets DNNL_MAX_CPU_ISA=AVX2)"; \
+  } while (0)
+
+std::vector<std::pair<i64, i64>> blocks_of(i64 k) {
+  const KBlocks b = sgemm_k_blocks(k);
+  std::vector<std::pair<i64, i64>> v;
+  for (int i = 0; i < b.count; ++i) v.emplace_back(b.begin(i), b.end(i));
+  return v;
+}
+
+TEST(GemmRows, KBlocksOfOneDnnAvx2Sgemm) {
+  using V = std::vector<std::pair<i64, i64>>;
+  EXPECT_EQ(blocks_of(1), (V{{0, 1}}));
+  EXPECT_EQ(blocks_of(256), (V{{0, 256}}));
+  EXPECT_EQ(blocks_of(257), (V{{0, 129}, {129, 257}}));
+  EXPECT_EQ(blocks_of(511), (V{{0, 256}, {256, 511}}));
+  EXPECT_EQ(blocks_of(512), (V{{0, 256}, {256, 512}}));
+  EXPECT_EQ(blocks_of(513), (V{{0, 256}, {256, 385}, {385, 513}}));
+  EXPECT_EQ(blocks_of(1000), (V{{0, 256}, {256, 512}, {512, 756}, {756, 1000}}));
+  const V k4096 = blocks_of(4096);
+  ASSERT_EQ(k4096.size(), 16u);
+  for (i64 i = 0; i < 16; ++i)
+    EXPECT_EQ(k4096[static_cast<std::size_t>(i)], (std::pair<i64, i64>{256 * i, 256 * i + 256}));
+}
+
+// Rows [r0, r0 + m) of a 192-row sgemm call against the kernel on the same rows.
+TEST(GemmRows, EveryRowEqualsItsRowInALongSgemmCall) {
+  SKIP_WITHOUT_AVX2();
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal;
+  constexpr i64 long_rows = 192;
+  for (const i64 k : {1,   2,   3,   4,   7,    16,   17,   96,   255,  256,  257,  300,  384, 511,
+                      512, 513, 600, 777, 1000, 1003, 1024, 1025, 1536, 2000, 4096, 4099, 7168}) {
+    for (const i64 n : {16, 48, 256}) {
+      const i64 lda = k + 3, ldb = k + 16 + (k % 5), ldc = n + 8;
+      std::vector<float> a(long_rows * lda), b(n * ldb), ref(long_rows * ldc), out(kRowsKernelMax * ldc);
+      // Each row its own scale, so that sums cancel at different magnitudes.
+      for (i64 i = 0; i < long_rows; ++i)
+        for (i64 j = 0; j < k; ++j) a[i * lda + j] = normal(rng) * static_cast<float>(1 + i % 7);
+      for (float& v : b) v = normal(rng);
+      ASSERT_EQ(
+          dnnl_sgemm('N', 'T', long_rows, n, k, 1.0f, a.data(), lda, b.data(), ldb, 0.0f, ref.data(), ldc),
+          dnnl_success);
+      for (i64 m = 1; m <= kRowsKernelMax; ++m)
+        for (const i64 r0 : {i64{0}, i64{5}, i64{100}, long_rows - m}) {
+          gemm_rows_avx2(m, n, k, a.data() + r0 * lda, lda, b.data(), ldb, out.data(), ldc);
+          for (i64 i = 0; i < m; ++i)
+            ASSERT_EQ(std::memcmp(out.data() + i * ldc, ref.data() + (r0 + i) * ldc, n * sizeof(float)), 0)
+                << "K " << k << ", " << n << " columns, rows " << r0 << ".." << r0 + m - 1 << ": row "
+                << r0 + i;
+        }
+    }
+  }
+}
+
+// The kernel writes exactly its m x n cells: the columns past n and the rows past m keep their bytes.
+TEST(GemmRows, WritesOnlyItsCells) {
+  SKIP_WITHOUT_AVX2();
+  const i64 k = 300, n = 32, ldc = 40;
+  std::vector<float> a(kRowsKernelMax * k, 0.5f), b(n * k, 0.25f);
+  std::vector<float> c((kRowsKernelMax + 1) * ldc, -7.0f);
+  gemm_rows_avx2(3, n, k, a.data(), k, b.data(), k, c.data(), ldc);
+  for (i64 i = 0; i <= kRowsKernelMax; ++i)
+    for (i64 j = 0; j < ldc; ++j)
+      EXPECT_EQ(c[i * ldc + j], i < 3 && j < n ? 37.5f : -7.0f) << "row " << i << " column " << j;
+}
+
+}  // namespace
+}  // namespace kvcomp::detail
