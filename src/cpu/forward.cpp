@@ -101,6 +101,10 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
   const void* b_kv = args.wkv.data;
   const void* b_gate = args.wgate.data;
   const float* wcat = buf.wcat;
+  // A decode call of at most 8 rows without prepared weights, on AVX2: its fp32 products read the bf16
+  // weights where they lie (gemm.hpp), with the bits of the converted copy, and skip converting them.
+  const bool bf16_in_place =
+      !buf.bf16 && !prepared.kv && d.io == DType::bf16 && gemm_rows_bf16_applicable(d.T, C);
   if (buf.bf16) {
     const Bf16Shape shape = buf.bf16_shape(d);
     if (prepared.kv) {  // packed
@@ -116,7 +120,7 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
     }
   } else if (prepared.kv) {  // wkv rows then wgate rows: one fp32 matrix
     wcat = static_cast<const float*>(prepared.kv);
-  } else {
+  } else if (!bf16_in_place) {
     rows_to_f32(args.wkv.data, d.io, C, H, buf.wcat, buf.ld_h, num_threads);
     rows_to_f32(args.wgate.data, d.io, C, H, buf.wcat + C * buf.ld_h, buf.ld_h, num_threads);
   }
@@ -171,15 +175,21 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
       if (!ok) return {StatusCode::runtime_error, "[kvcomp] oneDNN bf16 matmul for the projections failed"};
     } else {
       rows_to_f32(x_rows, d.io, n, H, buf.xf, buf.ld_h, num_threads);
-      // Zero rows up to the padded M, so each token's projection is computed
-      // alike whatever the chunk's row count (gemm.hpp, row stability).
-      const std::int64_t n_pad = gemm_padded_rows(n, true);
-      for (std::int64_t i = n; i < n_pad; ++i)
-        std::fill(buf.xf + i * buf.ld_h, buf.xf + i * buf.ld_h + H, 0.0f);
-      // [new_kv | new_score] = x . [wkv ; wgate]^T
-      if (!gemm_f32(n_pad, 2 * C, H, {buf.xf, buf.ld_h, false}, {wcat, buf.ld_h, true}, rows, buf.ld_c2,
-                    false, num_threads, n))
-        return {StatusCode::runtime_error, "[kvcomp] oneDNN matmul for the projections failed"};
+      if (bf16_in_place) {  // [new_kv | new_score] = x . [wkv ; wgate]^T, the weights as they lie
+        gemm_rows_bf16_weights(n, C, H, buf.xf, buf.ld_h, static_cast<const std::uint16_t*>(args.wkv.data),
+                               static_cast<const std::uint16_t*>(args.wgate.data), rows, buf.ld_c2,
+                               num_threads);
+      } else {
+        // Zero rows up to the padded M, so each token's projection is computed
+        // alike whatever the chunk's row count (gemm.hpp, row stability).
+        const std::int64_t n_pad = gemm_padded_rows(n, true);
+        for (std::int64_t i = n; i < n_pad; ++i)
+          std::fill(buf.xf + i * buf.ld_h, buf.xf + i * buf.ld_h + H, 0.0f);
+        // [new_kv | new_score] = x . [wkv ; wgate]^T
+        if (!gemm_f32(n_pad, 2 * C, H, {buf.xf, buf.ld_h, false}, {wcat, buf.ld_h, true}, rows, buf.ld_c2,
+                      false, num_threads, n))
+          return {StatusCode::runtime_error, "[kvcomp] oneDNN matmul for the projections failed"};
+      }
     }
     add_ape(plan, static_cast<const float*>(args.ape.data), buf.proj, first, buf.ld_c2, a, b, num_threads);
     io.proj = buf.proj;

@@ -62,7 +62,8 @@ std::int64_t tile_m() { return onednn_has_avx512() || !row_stable() ? 256 : 192;
 // nothing with operator new, docs/robustness.md).
 bool rows_kernel_matches_sgemm() {
   constexpr std::int64_t rows = 12, n = 32, k_max = 4096, ld = k_max + 5;
-  const std::size_t floats = static_cast<std::size_t>((rows + n) * ld + (rows + kRowsKernelMax) * n);
+  const std::size_t floats =
+      static_cast<std::size_t>((rows + n) * ld + (rows + kRowsKernelMax) * n + (n * ld + 1) / 2);
   const std::unique_ptr<float, decltype(&std::free)> mem(
       static_cast<float*>(std::malloc(floats * sizeof(float))), &std::free);
   if (!mem) return false;
@@ -70,12 +71,21 @@ bool rows_kernel_matches_sgemm() {
   float* const b = a + rows * ld;
   float* const ref = b + n * ld;
   float* const out = ref + rows * n;
-  // Values of many magnitudes and both signs, so that the order of additions shows in the bits.
+  auto* const b16 = reinterpret_cast<std::uint16_t*>(out + kRowsKernelMax * n);
+  // Values of many magnitudes and both signs, so that the order of additions shows in the bits; B's
+  // are bf16 values (the low 16 bits cleared), kept as bf16 too for the bf16 variant.
   std::uint32_t state = 0x9e3779b9u;
   for (std::size_t i = 0; i < static_cast<std::size_t>((rows + n) * ld); ++i) {
     state = state * 1664525u + 1013904223u;
     a[i] = static_cast<float>(static_cast<std::int32_t>(state >> 8) - (1 << 23)) /
            static_cast<float>(1u << (state & 15u));
+  }
+  for (std::size_t i = 0; i < static_cast<std::size_t>(n * ld); ++i) {
+    std::uint32_t u;
+    std::memcpy(&u, &b[i], sizeof u);
+    b16[i] = static_cast<std::uint16_t>(u >> 16);
+    u &= 0xffff0000u;
+    std::memcpy(&b[i], &u, sizeof u);
   }
   for (const std::int64_t k : {std::int64_t{3}, std::int64_t{256}, std::int64_t{300}, std::int64_t{511},
                                std::int64_t{1003}, std::int64_t{1539}, k_max}) {
@@ -83,6 +93,9 @@ bool rows_kernel_matches_sgemm() {
     for (std::int64_t m = 1; m <= kRowsKernelMax; ++m) {
       // The last m rows: a run that does not start at a group boundary.
       gemm_rows_avx2(m, n, k, a + (rows - m) * ld, ld, b, ld, out, n);
+      if (std::memcmp(out, ref + (rows - m) * n, static_cast<std::size_t>(m * n) * sizeof(float)) != 0)
+        return false;
+      gemm_rows_avx2_bf16(m, n, k, a + (rows - m) * ld, ld, b16, ld, out, n);
       if (std::memcmp(out, ref + (rows - m) * n, static_cast<std::size_t>(m * n) * sizeof(float)) != 0)
         return false;
     }
@@ -116,6 +129,25 @@ bool use_rows_kernel() {
 bool gemm_row_stable() { return row_stable(); }
 
 bool gemm_rows_kernel_active() { return use_rows_kernel(); }
+
+bool gemm_rows_bf16_applicable(std::int64_t n, std::int64_t half) {
+  return n >= 1 && n <= kRowsKernelMax && half > 0 && half % 16 == 0 && use_rows_kernel();
+}
+
+void gemm_rows_bf16_weights(std::int64_t n, std::int64_t half, std::int64_t K, const float* a,
+                            std::int64_t lda, const std::uint16_t* wkv, const std::uint16_t* wgate, float* c,
+                            std::int64_t ldc, int num_threads) {
+  // The column tiles of gemm_f32 for each weight matrix (any cut into whole 16-column groups gives
+  // the same bits: an element's order does not depend on its tile).
+  const std::int64_t per = (half + kTileN - 1) / kTileN, tiles = 2 * per;
+#pragma omp parallel for num_threads(static_cast<int>(std::min<std::int64_t>(num_threads, tiles))) \
+    schedule(dynamic, 1)
+  for (std::int64_t tile = 0; tile < tiles; ++tile) {
+    const bool gate = tile >= per;
+    const std::int64_t n0 = (tile - (gate ? per : 0)) * kTileN, nt = std::min(kTileN, half - n0);
+    gemm_rows_avx2_bf16(n, nt, K, a, lda, (gate ? wgate : wkv) + n0 * K, K, c + (gate ? half : 0) + n0, ldc);
+  }
+}
 
 std::int64_t gemm_row_quantum(bool b_transposed) {
   if (!row_stable()) return 1;

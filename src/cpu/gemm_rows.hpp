@@ -47,5 +47,9 @@ inline constexpr std::int64_t kRowsKernelMax = 8;
 // 1 <= m <= kRowsKernelMax, n a multiple of 16, k >= 1. AVX2 + FMA only (gemm_rows_avx2.cpp).
 void gemm_rows_avx2(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,
                     const float* b, std::int64_t ldb, float* c, std::int64_t ldc);
+// The same with B in bf16, widened as it is read (exactly: the bits equal those of gemm_rows_avx2 on the
+// widened B), so a decode call need not convert its bf16 weights to fp32 first. n a multiple of 8.
+void gemm_rows_avx2_bf16(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,
+                         const std::uint16_t* b, std::int64_t ldb, float* c, std::int64_t ldc);
 
 }  // namespace kvcomp::detail

@@ -1,8 +1,9 @@
-// The AVX2 kernel for products of 1-8 rows (gemm_rows.hpp). Compiled with -mavx2 -mfma; called only
-// after the CPU was found to have both.
+// The AVX2 kernels for products of 1-8 rows (gemm_rows.hpp), B in fp32 or bf16. Compiled with -mavx2
+// -mfma; called only after the CPU was found to have both.
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdint>
 
 #include "cpu/gemm_rows.hpp"
 
@@ -10,20 +11,74 @@ namespace kvcomp::detail {
 
 namespace {
 
-// Columns [0, 8) of B^T at k .. k+3: b points at B[n0, k] (B stored [N, K], row stride ldb). Two
-// 128-bit loads per register pair rows r and r + 4; an in-lane 4x4 transpose then leaves v[j] =
-// B[n0 .. n0+7, k + j] in column order.
-inline void load_columns4(const float* b, std::int64_t ldb, __m256 v[4]) {
-  const __m256 y0 = _mm256_loadu2_m128(b + 4 * ldb, b);
-  const __m256 y1 = _mm256_loadu2_m128(b + 5 * ldb, b + ldb);
-  const __m256 y2 = _mm256_loadu2_m128(b + 6 * ldb, b + 2 * ldb);
-  const __m256 y3 = _mm256_loadu2_m128(b + 7 * ldb, b + 3 * ldb);
-  const __m256 t0 = _mm256_unpacklo_ps(y0, y1), t1 = _mm256_unpackhi_ps(y0, y1);
-  const __m256 t2 = _mm256_unpacklo_ps(y2, y3), t3 = _mm256_unpackhi_ps(y2, y3);
+// The in-lane 4x4 transpose of four registers [B[r, k..k+3] | B[r+4, k..k+3]], r = 0..3: v[j] =
+// B[0..7, k + j], the 8 rows in order.
+inline void transpose_halves(const __m256 (&y)[4], __m256* v) {
+  const __m256 t0 = _mm256_unpacklo_ps(y[0], y[1]), t1 = _mm256_unpackhi_ps(y[0], y[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(y[2], y[3]), t3 = _mm256_unpackhi_ps(y[2], y[3]);
   v[0] = _mm256_shuffle_ps(t0, t2, 0x44);
   v[1] = _mm256_shuffle_ps(t0, t2, 0xEE);
   v[2] = _mm256_shuffle_ps(t1, t3, 0x44);
   v[3] = _mm256_shuffle_ps(t1, t3, 0xEE);
+}
+
+// Columns [0, 8) of B^T at k .. k+3: b points at B[n0, k] (B stored [N, K], row stride ldb); two
+// 128-bit loads per register, then transpose_halves.
+inline void load_columns4(const float* b, std::int64_t ldb, __m256 v[4]) {
+  const __m256 y[4] = {_mm256_loadu2_m128(b + 4 * ldb, b), _mm256_loadu2_m128(b + 5 * ldb, b + ldb),
+                       _mm256_loadu2_m128(b + 6 * ldb, b + 2 * ldb),
+                       _mm256_loadu2_m128(b + 7 * ldb, b + 3 * ldb)};
+  transpose_halves(y, v);
+}
+
+// Columns [0, 8) of B^T at k .. k+7 from bf16 rows (widened exactly: a bf16 is the high half of its
+// float): one 128-bit load per row, rows r and r + 4 in one register, interleaved with zeros into
+// [B[r, k..k+3] | B[r+4, k..k+3]] and [B[r, k+4..k+7] | B[r+4, k+4..k+7]] as floats, then the
+// transpose of load_columns4 on each half.
+inline void load_columns8_bf16(const std::uint16_t* b, std::int64_t ldb, __m256 v[8]) {
+  const __m256i zero = _mm256_setzero_si256();
+  __m256 lo[4], hi[4];
+  for (int r = 0; r < 4; ++r) {
+    const __m256i y = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(b + (r + 4) * ldb),
+                                          reinterpret_cast<const __m128i*>(b + r * ldb));
+    lo[r] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, y));
+    hi[r] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, y));
+  }
+  transpose_halves(lo, v);
+  transpose_halves(hi, v + 4);
+}
+
+inline float bf16_value(std::uint16_t h) {
+  return _mm_cvtss_f32(
+      _mm_castsi128_ps(_mm_cvtsi32_si128(static_cast<int>(static_cast<std::uint32_t>(h) << 16))));
+}
+
+// As k_block below, one 8-column group of bf16 rows, 8 k per step (8 rows streaming: with rows 2^n
+// bytes apart, 16 would alias in one L1 set).
+template <int M>
+inline void k_block_bf16(const float* a, std::int64_t lda, const std::uint16_t* b, std::int64_t ldb,
+                         std::int64_t k0, std::int64_t k1, __m256 (&acc)[M]) {
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+  std::int64_t k = k0;
+  for (; k + 8 <= k1; k += 8) {
+    if (((k - k0) & 31) == 0)  // one cache line of each of the 8 rows, 4 lines ahead
+      for (int r = 0; r < 8; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(b + r * ldb + k + 128), _MM_HINT_T0);
+    __m256 v[8];
+    load_columns8_bf16(b + k, ldb, v);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j)
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m)
+        acc[m] = _mm256_fmadd_ps(_mm256_broadcast_ss(a + m * lda + k + j), v[j], acc[m]);
+  }
+  for (; k < k1; ++k) {
+    const std::uint16_t* p = b + k;
+    const __m256 v = _mm256_setr_ps(bf16_value(p[0]), bf16_value(p[ldb]), bf16_value(p[2 * ldb]),
+                                    bf16_value(p[3 * ldb]), bf16_value(p[4 * ldb]), bf16_value(p[5 * ldb]),
+                                    bf16_value(p[6 * ldb]), bf16_value(p[7 * ldb]));
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_fmadd_ps(_mm256_broadcast_ss(a + m * lda + k), v, acc[m]);
+  }
 }
 
 // acc[g][m] = the fma chain over k in [k0, k1) of A[m, k] * B[n0 + 8g + lane, k], from zero. One
@@ -35,7 +90,7 @@ inline void k_block(const float* a, std::int64_t lda, const float* b, std::int64
     for (int m = 0; m < M; ++m) acc[g][m] = _mm256_setzero_ps();
   std::int64_t k = k0;
   for (; k + 4 <= k1; k += 4) {
-    if ((k & 15) == 0)  // one cache line of each of the 8G rows, 4 lines ahead
+    if (((k - k0) & 15) == 0)  // one cache line of each of the 8G rows, 4 lines ahead
       for (int r = 0; r < 8 * G; ++r)
         _mm_prefetch(reinterpret_cast<const char*>(b + r * ldb + k + 64), _MM_HINT_T0);
 #pragma GCC unroll 2
@@ -80,7 +135,44 @@ void rows_kernel(std::int64_t n, std::int64_t k, const float* a, std::int64_t ld
   }
 }
 
+template <int M>
+void rows_kernel_bf16(std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,
+                      const std::uint16_t* b, std::int64_t ldb, float* c, std::int64_t ldc) {
+  const KBlocks blocks = sgemm_k_blocks(k);
+  for (std::int64_t n0 = 0; n0 < n; n0 += 8)
+    for (int blk = 0; blk < blocks.count; ++blk) {
+      __m256 acc[M];
+      k_block_bf16<M>(a, lda, b + n0 * ldb, ldb, blocks.begin(blk), blocks.end(blk), acc);
+      for (int m = 0; m < M; ++m) {
+        float* cp = c + m * ldc + n0;
+        _mm256_storeu_ps(cp, blk == 0 ? acc[m] : _mm256_add_ps(_mm256_loadu_ps(cp), acc[m]));
+      }
+    }
+}
+
 }  // namespace
+
+void gemm_rows_avx2_bf16(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,
+                         const std::uint16_t* b, std::int64_t ldb, float* c, std::int64_t ldc) {
+  switch (m) {
+    case 1:
+      return rows_kernel_bf16<1>(n, k, a, lda, b, ldb, c, ldc);
+    case 2:
+      return rows_kernel_bf16<2>(n, k, a, lda, b, ldb, c, ldc);
+    case 3:
+      return rows_kernel_bf16<3>(n, k, a, lda, b, ldb, c, ldc);
+    case 4:
+      return rows_kernel_bf16<4>(n, k, a, lda, b, ldb, c, ldc);
+    case 5:
+      return rows_kernel_bf16<5>(n, k, a, lda, b, ldb, c, ldc);
+    case 6:
+      return rows_kernel_bf16<6>(n, k, a, lda, b, ldb, c, ldc);
+    case 7:
+      return rows_kernel_bf16<7>(n, k, a, lda, b, ldb, c, ldc);
+    default:
+      return rows_kernel_bf16<8>(n, k, a, lda, b, ldb, c, ldc);
+  }
+}
 
 void gemm_rows_avx2(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,
                     const float* b, std::int64_t ldb, float* c, std::int64_t ldc) {

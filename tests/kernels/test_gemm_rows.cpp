@@ -86,6 +86,53 @@ TEST(GemmRows, EveryRowEqualsItsRowInALongSgemmCall) {
   }
 }
 
+std::uint16_t bf16_bits(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return static_cast<std::uint16_t>(u >> 16);
+}
+float bf16_value(std::uint16_t h) {
+  const std::uint32_t u = static_cast<std::uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// The bf16 variant (weights read where they lie, widened as read): against the same long sgemm call
+// on the widened weights, including rows of exactly K bf16 (a caller's tensor).
+TEST(GemmRows, Bf16WeightsGiveTheBitsOfTheWidenedOnes) {
+  SKIP_WITHOUT_AVX2();
+  std::mt19937 rng(9);
+  std::normal_distribution<float> normal;
+  constexpr i64 long_rows = 192;
+  for (const i64 k : {1, 5, 8, 9, 255, 257, 300, 513, 1003, 4096, 4103}) {
+    for (const i64 n : {16, 48, 256}) {
+      for (const i64 ldb : {k, k + 13}) {
+        const i64 lda = k + 3, ldc = n + 8;
+        std::vector<float> a(long_rows * lda), b(n * ldb), ref(long_rows * ldc), out(kRowsKernelMax * ldc);
+        std::vector<std::uint16_t> b16(n * ldb);
+        for (i64 i = 0; i < long_rows; ++i)
+          for (i64 j = 0; j < k; ++j) a[i * lda + j] = normal(rng) * static_cast<float>(1 + i % 5);
+        for (i64 i = 0; i < n * ldb; ++i) {
+          b16[i] = bf16_bits(normal(rng));
+          b[i] = bf16_value(b16[i]);
+        }
+        ASSERT_EQ(
+            dnnl_sgemm('N', 'T', long_rows, n, k, 1.0f, a.data(), lda, b.data(), ldb, 0.0f, ref.data(), ldc),
+            dnnl_success);
+        for (i64 m = 1; m <= kRowsKernelMax; ++m)
+          for (const i64 r0 : {i64{0}, i64{7}, long_rows - m}) {
+            gemm_rows_avx2_bf16(m, n, k, a.data() + r0 * lda, lda, b16.data(), ldb, out.data(), ldc);
+            for (i64 i = 0; i < m; ++i)
+              ASSERT_EQ(std::memcmp(out.data() + i * ldc, ref.data() + (r0 + i) * ldc, n * sizeof(float)), 0)
+                  << "K " << k << ", " << n << " columns, ldb " << ldb << ", rows " << r0 << ".."
+                  << r0 + m - 1 << ": row " << r0 + i;
+          }
+      }
+    }
+  }
+}
+
 // The kernel writes exactly its m x n cells: the columns past n and the rows past m keep their bytes.
 TEST(GemmRows, WritesOnlyItsCells) {
   SKIP_WITHOUT_AVX2();
