@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 
 #include "cpu/gemm_rows.hpp"
 
@@ -53,11 +55,13 @@ inline float bf16_value(std::uint16_t h) {
       _mm_castsi128_ps(_mm_cvtsi32_si128(static_cast<int>(static_cast<std::uint32_t>(h) << 16))));
 }
 
-// As k_block below, one 8-column group of bf16 rows, 8 k per step (8 rows streaming: with rows 2^n
-// bytes apart, 16 would alias in one L1 set).
-template <int M>
-inline void k_block_bf16(const float* a, std::int64_t lda, const std::uint16_t* b, std::int64_t ldb,
-                         std::int64_t k0, std::int64_t k1, __m256 (&acc)[M]) {
+// As k_block below, from bf16 rows: one 8-column group (G = 1), 8 k per step (8 rows streaming: with
+// rows 2^n bytes apart, 16 would alias in one L1 set).
+template <int M, int G>
+inline void k_block(const float* a, std::int64_t lda, const std::uint16_t* b, std::int64_t ldb,
+                    std::int64_t k0, std::int64_t k1, __m256 (&acc_g)[G][M]) {
+  static_assert(G == 1);
+  __m256(&acc)[M] = acc_g[0];
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
   std::int64_t k = k0;
   for (; k + 8 <= k1; k += 8) {
@@ -114,12 +118,12 @@ inline void k_block(const float* a, std::int64_t lda, const float* b, std::int64
     }
 }
 
-// M rows, 8G columns at a time (two 8-column groups, 16 rows of B streaming, measured fastest up to 4
-// rows; one group beyond, for the registers).
-template <int M>
-void rows_kernel(std::int64_t n, std::int64_t k, const float* a, std::int64_t lda, const float* b,
+// M rows, 8G columns at a time (fp32 B: two 8-column groups, 16 rows of B streaming, measured fastest up
+// to 4 rows; one group beyond, for the registers; bf16 B: one group).
+template <int M, class T>
+void rows_kernel(std::int64_t n, std::int64_t k, const float* a, std::int64_t lda, const T* b,
                  std::int64_t ldb, float* c, std::int64_t ldc) {
-  constexpr int G = M <= 4 ? 2 : 1;
+  constexpr int G = std::is_same_v<T, float> && M <= 4 ? 2 : 1;
   const KBlocks blocks = sgemm_k_blocks(k);
   for (std::int64_t n0 = 0; n0 < n; n0 += 8 * G) {
     for (int blk = 0; blk < blocks.count; ++blk) {
@@ -135,65 +139,26 @@ void rows_kernel(std::int64_t n, std::int64_t k, const float* a, std::int64_t ld
   }
 }
 
-template <int M>
-void rows_kernel_bf16(std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,
-                      const std::uint16_t* b, std::int64_t ldb, float* c, std::int64_t ldc) {
-  const KBlocks blocks = sgemm_k_blocks(k);
-  for (std::int64_t n0 = 0; n0 < n; n0 += 8)
-    for (int blk = 0; blk < blocks.count; ++blk) {
-      __m256 acc[M];
-      k_block_bf16<M>(a, lda, b + n0 * ldb, ldb, blocks.begin(blk), blocks.end(blk), acc);
-      for (int m = 0; m < M; ++m) {
-        float* cp = c + m * ldc + n0;
-        _mm256_storeu_ps(cp, blk == 0 ? acc[m] : _mm256_add_ps(_mm256_loadu_ps(cp), acc[m]));
-      }
-    }
+// rows_kernel<m, T> for a run-time m in [1, kRowsKernelMax].
+template <class T, std::size_t... I>
+void rows_dispatch(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,
+                   const T* b, std::int64_t ldb, float* c, std::int64_t ldc, std::index_sequence<I...>) {
+  using Fn = void (*)(std::int64_t, std::int64_t, const float*, std::int64_t, const T*, std::int64_t, float*,
+                      std::int64_t);
+  static constexpr Fn kernels[] = {&rows_kernel<static_cast<int>(I) + 1, T>...};
+  kernels[std::clamp<std::int64_t>(m, 1, sizeof...(I)) - 1](n, k, a, lda, b, ldb, c, ldc);
 }
 
 }  // namespace
 
-void gemm_rows_avx2_bf16(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,
-                         const std::uint16_t* b, std::int64_t ldb, float* c, std::int64_t ldc) {
-  switch (m) {
-    case 1:
-      return rows_kernel_bf16<1>(n, k, a, lda, b, ldb, c, ldc);
-    case 2:
-      return rows_kernel_bf16<2>(n, k, a, lda, b, ldb, c, ldc);
-    case 3:
-      return rows_kernel_bf16<3>(n, k, a, lda, b, ldb, c, ldc);
-    case 4:
-      return rows_kernel_bf16<4>(n, k, a, lda, b, ldb, c, ldc);
-    case 5:
-      return rows_kernel_bf16<5>(n, k, a, lda, b, ldb, c, ldc);
-    case 6:
-      return rows_kernel_bf16<6>(n, k, a, lda, b, ldb, c, ldc);
-    case 7:
-      return rows_kernel_bf16<7>(n, k, a, lda, b, ldb, c, ldc);
-    default:
-      return rows_kernel_bf16<8>(n, k, a, lda, b, ldb, c, ldc);
-  }
-}
-
 void gemm_rows_avx2(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,
                     const float* b, std::int64_t ldb, float* c, std::int64_t ldc) {
-  switch (m) {
-    case 1:
-      return rows_kernel<1>(n, k, a, lda, b, ldb, c, ldc);
-    case 2:
-      return rows_kernel<2>(n, k, a, lda, b, ldb, c, ldc);
-    case 3:
-      return rows_kernel<3>(n, k, a, lda, b, ldb, c, ldc);
-    case 4:
-      return rows_kernel<4>(n, k, a, lda, b, ldb, c, ldc);
-    case 5:
-      return rows_kernel<5>(n, k, a, lda, b, ldb, c, ldc);
-    case 6:
-      return rows_kernel<6>(n, k, a, lda, b, ldb, c, ldc);
-    case 7:
-      return rows_kernel<7>(n, k, a, lda, b, ldb, c, ldc);
-    default:
-      return rows_kernel<8>(n, k, a, lda, b, ldb, c, ldc);
-  }
+  rows_dispatch(m, n, k, a, lda, b, ldb, c, ldc, std::make_index_sequence<kRowsKernelMax>{});
+}
+
+void gemm_rows_avx2_bf16(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,
+                         const std::uint16_t* b, std::int64_t ldb, float* c, std::int64_t ldc) {
+  rows_dispatch(m, n, k, a, lda, b, ldb, c, ldc, std::make_index_sequence<kRowsKernelMax>{});
 }
 
 }  // namespace kvcomp::detail
