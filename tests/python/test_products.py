@@ -69,14 +69,27 @@ def test_bf16_everywhere_on_request():
     assert "precise as hi+lo" in _child(_NAME, KVCOMP_PRODUCTS="bf16")
 
 
+# oneDNN runs its AVX2 sgemm kernels (no AVX-512 core set), so decode-sized projections run on
+# kvcomp's own AVX2 kernel (src/cpu/gemm_rows.hpp) unless KVCOMP_ISA=scalar caps kvcomp's kernels.
+AVX2_SGEMM = {"avx2", "fma"} <= FLAGS and not {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= FLAGS
+_F32 = "f32 (dnnl_sgemm)"
+_F32_ROWS = "f32 (dnnl_sgemm; 1-8 rows: kvcomp avx2)"
+
+
 @pytest.mark.skipif(HAS_BF16_UNITS, reason="this CPU has bf16 units")
 def test_fp32_products_without_bf16_units():
-    assert _child(_NAME) == "f32 (dnnl_sgemm)"
+    assert _child(_NAME) == (_F32_ROWS if AVX2_SGEMM else _F32)
 
 
 @pytest.mark.parametrize("env", [{"KVCOMP_PRODUCTS": "f32"}, {"KVCOMP_ISA": "avx2"}, {"KVCOMP_ISA": "scalar"}])
 def test_caps_keep_fp32(env):
-    assert _child(_NAME, **env) == "f32 (dnnl_sgemm)"
+    rows_kernel = AVX2_SGEMM and env.get("KVCOMP_ISA") != "scalar"
+    assert _child(_NAME, **env) == (_F32_ROWS if rows_kernel else _F32)
+
+
+def test_row_stability_off_keeps_sgemm_alone():
+    """KVCOMP_ROW_STABLE=0: no padding to keep rows alike, so no own kernel either."""
+    assert _child(_NAME, KVCOMP_ROW_STABLE="0", KVCOMP_PRODUCTS="f32") == _F32
 
 
 def test_unknown_value_is_reported_and_ignored():
