@@ -99,6 +99,17 @@ def _in(a, name):
     return np.ascontiguousarray(a)
 
 
+def _dl(a):
+    """What the core's binding is handed for ``a``: a CPU torch tensor as a DLPack capsule
+    (``torch.utils.dlpack.to_dlpack``, one C call), anything else as it is. nanobind takes either, but
+    exports a tensor through ``Tensor.__dlpack__``, whose argument checks in Python cost 3-5 us a
+    tensor: about 30 us of a decode call's nine (docs/python.md). CUDA tensors keep ``__dlpack__``,
+    which orders the export on the stream the call is queued on."""
+    if _is_torch(a) and a.device.type == "cpu":
+        return sys.modules["torch"].utils.dlpack.to_dlpack(a)
+    return a
+
+
 def _inout(a, name):
     """The state cache: written in place, so it is never copied (dim 0 may be strided)."""
     if _is_torch(a):
@@ -207,24 +218,24 @@ def compressor_forward(
         softmax_score = _empty(xs, lead + block, fp32=True)
         kv = _empty(xs, lead + block, fp32=True)
     _C.forward(
-        xs,
-        _in(wkv, "wkv"),
-        _in(wgate, "wgate"),
-        _inout(state_cache, "state_cache"),
-        _in(ape, "ape"),
-        _in(state_block_table, "state_block_table"),
-        cu,
-        _in(seqused, "seqused"),
-        _in(start_pos, "start_pos"),
+        _dl(xs),
+        _dl(_in(wkv, "wkv")),
+        _dl(_in(wgate, "wgate")),
+        _dl(_inout(state_cache, "state_cache")),
+        _dl(_in(ape, "ape")),
+        _dl(_in(state_block_table, "state_block_table")),
+        _dl(cu),
+        _dl(_in(seqused, "seqused")),
+        _dl(_in(start_pos, "start_pos")),
         int(cmp_ratio),
         int(coff),
         int(cache_mode),
-        cmp_kv,
-        softmax_score,
-        kv,
+        _dl(cmp_kv),
+        _dl(softmax_score),
+        _dl(kv),
         *opts,
         stream=_stream(xs),
-        prepared_weights=_in(prepared_weights, "prepared_weights"),
+        prepared_weights=_dl(_in(prepared_weights, "prepared_weights")),
     )
     return cmp_kv, softmax_score, kv
 
@@ -247,13 +258,13 @@ def prepare_weights(wkv, wgate, *, num_threads=None):
         A 1-D uint8 host array of the kind of ``wkv`` (torch tensor or numpy array).
     """
     ws, gs = _in(wkv, "wkv"), _in(wgate, "wgate")
-    n = _C.prepared_weights_size(ws, gs)
+    n = _C.prepared_weights_size(_dl(ws), _dl(gs))
     if _is_torch(ws):
         blob = sys.modules["torch"].empty((n,), dtype=sys.modules["torch"].uint8)
     else:
         blob = np.empty((n,), dtype=np.uint8)
     threads = _options(None, None, num_threads)[2]
-    _C.prepare_weights(ws, gs, blob, threads)
+    _C.prepare_weights(_dl(ws), _dl(gs), _dl(blob), threads)
     return blob
 
 
@@ -301,21 +312,21 @@ def compressor_grad(
     dape_shape = (max(int(cmp_ratio), 0), _dims(ws)[0] if len(_dims(ws)) == 2 else 0)
     d_ape = _empty(xs, ((2,) if float64_d_ape else ()) + dape_shape, fp32=True)
     _C.backward(
-        xs,
-        ws,
-        gs,
-        _in(d_cmp_kv, "d_cmp_kv"),
-        _in(softmax_score, "softmax_score"),
-        _in(kv, "kv"),
-        _in(cu_seqlens, "cu_seqlens"),
-        _in(seqused, "seqused"),
-        _in(start_pos, "start_pos"),
+        _dl(xs),
+        _dl(ws),
+        _dl(gs),
+        _dl(_in(d_cmp_kv, "d_cmp_kv")),
+        _dl(_in(softmax_score, "softmax_score")),
+        _dl(_in(kv, "kv")),
+        _dl(_in(cu_seqlens, "cu_seqlens")),
+        _dl(_in(seqused, "seqused")),
+        _dl(_in(start_pos, "start_pos")),
         int(cmp_ratio),
         int(coff),
-        d_x,
-        d_wkv,
-        d_wgate,
-        d_ape,
+        _dl(d_x),
+        _dl(d_wkv),
+        _dl(d_wgate),
+        _dl(d_ape),
         *opts,
         stream=_stream(xs),
     )

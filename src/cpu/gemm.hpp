@@ -54,7 +54,9 @@ inline std::int64_t gemm_row_capacity(std::int64_t rows) {
 // C the caller does not read; a call may then leave them unwritten (gemm_rows.hpp: decode-sized
 // calls on AVX2).
 // Returns false if oneDNN failed (out of memory for its packing buffers); C
-// is then undefined. Allocates nothing itself.
+// is then undefined. Allocates nothing itself, but for the once-per-process
+// check of the AVX2 rows kernel at the first call with live rows (std::malloc,
+// not operator new; the kernel stays off when that fails).
 bool gemm_f32(std::int64_t M, std::int64_t N, std::int64_t K, GemmOperand a, GemmOperand b, float* c,
               std::int64_t ldc, bool accumulate, int num_threads, std::int64_t live_rows = -1);
 // True when gemm_f32 runs calls of few live rows on its own AVX2 kernel (gemm_rows.hpp), decided
