@@ -327,7 +327,7 @@ NB_MODULE(_C, m) {
       "f32 (dnnl_sgemm)' where the CPU has bf16 units (KVCOMP_PRODUCTS=f32 keeps fp32; 'backward in f32' "
       "where "
       "they are slower than fp32 FMAs: Intel's AVX512-BF16 without AMX), 'f32 (dnnl_sgemm)' elsewhere "
-      "('f32 (dnnl_sgemm; 1-8 rows: kvcomp avx2)' where decode-sized projections run on kvcomp's AVX2 kernel).");
+      "('f32 (dnnl_sgemm); 1-8 rows: kvcomp avx2' where decode-sized projections run on kvcomp's AVX2 kernel).");
   m.def("has_cuda_backend", &kvcomp::has_cuda_backend,
         "Whether this build of the core has the CUDA backend (configured with KVCOMP_CUDA).");
   m.def("cuda_device_count", &kvcomp::cuda_device_count,

@@ -238,7 +238,7 @@ KVCOMP_API const char* kernel_isa();
 // AMD's AVX512-BF16, not Intel's AVX512-BF16 without AMX: "backward in f32";
 // the precise backward as bf16 high + low parts where that is faster than
 // fp32, i.e. on AMX; KVCOMP_PRODUCTS=bf16 asks for all of them); else
-// "f32 (dnnl_sgemm)", or "f32 (dnnl_sgemm; 1-8 rows: kvcomp avx2)" where oneDNN
+// "f32 (dnnl_sgemm)", or "f32 (dnnl_sgemm); 1-8 rows: kvcomp avx2" where oneDNN
 // runs its AVX2 kernels and forward projections of 1-8 token rows (decode) run
 // on kvcomp's own AVX2 kernel, which gives each row sgemm's bits (checked once
 // per process; KVCOMP_ISA=scalar or KVCOMP_ROW_STABLE=0 turn it off).

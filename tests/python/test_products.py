@@ -17,6 +17,8 @@ import sys
 import pytest
 import torch
 
+import kvcomp
+
 from kvcomp.compare import fp32_projection
 from support import make_case, reference_forward
 
@@ -73,7 +75,7 @@ def test_bf16_everywhere_on_request():
 # kvcomp's own AVX2 kernel (src/cpu/gemm_rows.hpp) unless KVCOMP_ISA=scalar caps kvcomp's kernels.
 AVX2_SGEMM = {"avx2", "fma"} <= FLAGS and not {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= FLAGS
 _F32 = "f32 (dnnl_sgemm)"
-_F32_ROWS = "f32 (dnnl_sgemm; 1-8 rows: kvcomp avx2)"
+_F32_ROWS = "f32 (dnnl_sgemm); 1-8 rows: kvcomp avx2"
 
 
 @pytest.mark.skipif(HAS_BF16_UNITS, reason="this CPU has bf16 units")
@@ -85,6 +87,30 @@ def test_fp32_products_without_bf16_units():
 def test_caps_keep_fp32(env):
     rows_kernel = AVX2_SGEMM and env.get("KVCOMP_ISA") != "scalar"
     assert _child(_NAME, **env) == (_F32_ROWS if rows_kernel else _F32)
+
+
+@pytest.mark.skipif(not AVX2_SGEMM, reason="oneDNN runs no AVX2 sgemm here (no own rows kernel to leave out)")
+def test_prepared_weights_serve_with_and_without_the_rows_kernel():
+    """A blob prepared where the rows kernel is off (KVCOMP_ISA=scalar) is accepted where it runs, and
+    gives the result of a blob prepared there: the kernel reads the same fp32 rows."""
+    code = ("import torch, kvcomp; g = torch.Generator().manual_seed(4); "
+            "w = (torch.randn(2, 32, 64, generator=g) / 8).bfloat16(); "
+            "print(kvcomp.prepare_weights(w[0], w[1]).numpy().tobytes().hex())")
+    assert _child(_NAME, KVCOMP_ISA="scalar") == _F32
+    foreign = torch.frombuffer(bytearray.fromhex(_child(code, KVCOMP_ISA="scalar")), dtype=torch.uint8)
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(2, 32, 64, generator=g) / 8).bfloat16()
+    own = kvcomp.prepare_weights(w[0], w[1])
+    x = torch.randn(1, 3, 64, generator=g).bfloat16()
+    ape = torch.randn(4, 32, generator=g)
+    outs = []
+    for blob in (foreign, own):
+        cache = torch.zeros(2, 8, 64)
+        table = torch.tensor([[1]], dtype=torch.int32)
+        out = kvcomp.compressor_forward(x, w[0], w[1], cache, ape, 4, state_block_table=table, coff=2,
+                                        start_pos=torch.tensor([1], dtype=torch.int32), prepared_weights=blob)[0]
+        outs.append((out, cache))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
 def test_row_stability_off_keeps_sgemm_alone():
