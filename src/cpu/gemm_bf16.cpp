@@ -198,7 +198,8 @@ bool bf16_backward_products() {
 const char* product_kernels() {
   static const std::string s = [] {
     if (kernel_name().empty())
-      return std::string(gemm_rows_kernel_active() ? "f32 (dnnl_sgemm); 1-8 rows: kvcomp avx2" : "f32 (dnnl_sgemm)");
+      return std::string(gemm_rows_kernel_active() ? "f32 (dnnl_sgemm); 1-8 rows: kvcomp avx2"
+                                                   : "f32 (dnnl_sgemm)");
     const char* backward = bf16_split_products()      ? ", precise as hi+lo"
                            : bf16_backward_products() ? ", precise in f32"
                                                       : ", backward in f32";
