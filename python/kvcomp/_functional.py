@@ -103,7 +103,7 @@ def _dl(a):
     """What the core's binding is handed for ``a``: a CPU torch tensor as a DLPack capsule
     (``torch.utils.dlpack.to_dlpack``, one C call), anything else as it is. nanobind takes either, but
     exports a tensor through ``Tensor.__dlpack__``, whose argument checks in Python cost 3-5 us a
-    tensor: about 30 us of a decode call's nine (docs/python.md). CUDA tensors keep ``__dlpack__``,
+    tensor: about 25 us of a forward call's nine (docs/python.md). CUDA tensors keep ``__dlpack__``,
     which orders the export on the stream the call is queued on."""
     if _is_torch(a) and a.device.type == "cpu":
         return sys.modules["torch"].utils.dlpack.to_dlpack(a)
