@@ -23,9 +23,9 @@ fake kernel giving output shapes, so torch.compile traces them without graph bre
 A call that records no gradient, in eager mode on plain tensors, runs the forward operator's
 implementation without the dispatcher (``_dispatch_free``): torch.library's Python-level dispatch of a
 mutating custom operator costs 100-250 us a call (docs/python.md), as much as a one-token decode
-call's own work on small models. It bumps ``state_cache``'s version counter as the dispatched operator does. Under
-torch.compile, a torch function or dispatch mode, functorch transforms or tensor subclasses the
-operator is dispatched as before, so those still see it.
+call's own work on small models. It bumps ``state_cache``'s version counter as the dispatched
+operator does. Under torch.compile, a torch function or dispatch mode, functorch transforms or tensor
+subclasses the operator is dispatched as before, so those still see it.
 """
 
 from typing import Optional, Tuple

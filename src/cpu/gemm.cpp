@@ -11,6 +11,7 @@
 
 #include "cpu/gemm_rows.hpp"
 #include "cpu/isa.hpp"
+#include "kvcomp/half.hpp"
 
 namespace kvcomp::detail {
 
@@ -73,7 +74,7 @@ bool rows_kernel_matches_sgemm() {
   float* const out = ref + rows * n;
   auto* const b16 = reinterpret_cast<std::uint16_t*>(out + kRowsKernelMax * n);
   // Values of many magnitudes and both signs, so that the order of additions shows in the bits; B's
-  // are bf16 values (the low 16 bits cleared), kept as bf16 too for the bf16 variant.
+  // are rounded to bf16 values, kept as bf16 too for the bf16 variant.
   std::uint32_t state = 0x9e3779b9u;
   for (std::size_t i = 0; i < static_cast<std::size_t>((rows + n) * ld); ++i) {
     state = state * 1664525u + 1013904223u;
@@ -81,11 +82,8 @@ bool rows_kernel_matches_sgemm() {
            static_cast<float>(1u << (state & 15u));
   }
   for (std::size_t i = 0; i < static_cast<std::size_t>(n * ld); ++i) {
-    std::uint32_t u;
-    std::memcpy(&u, &b[i], sizeof u);
-    b16[i] = static_cast<std::uint16_t>(u >> 16);
-    u &= 0xffff0000u;
-    std::memcpy(&b[i], &u, sizeof u);
+    b16[i] = float_to_bf16(b[i]);
+    b[i] = bf16_to_float(b16[i]);
   }
   for (const std::int64_t k : {std::int64_t{3}, std::int64_t{256}, std::int64_t{300}, std::int64_t{511},
                                std::int64_t{1003}, std::int64_t{1539}, k_max}) {

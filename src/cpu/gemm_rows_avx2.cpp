@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "cpu/gemm_rows.hpp"
+#include "kvcomp/half.hpp"
 
 namespace kvcomp::detail {
 
@@ -50,11 +51,6 @@ inline void load_columns8_bf16(const std::uint16_t* b, std::int64_t ldb, __m256 
   transpose_halves(hi, v + 4);
 }
 
-inline float bf16_value(std::uint16_t h) {
-  return _mm_cvtss_f32(
-      _mm_castsi128_ps(_mm_cvtsi32_si128(static_cast<int>(static_cast<std::uint32_t>(h) << 16))));
-}
-
 // As k_block below, from bf16 rows: one 8-column group (G = 1), 8 k per step (8 rows streaming: with
 // rows 2^n bytes apart, 16 would alias in one L1 set).
 template <int M, int G>
@@ -78,9 +74,10 @@ inline void k_block(const float* a, std::int64_t lda, const std::uint16_t* b, st
   }
   for (; k < k1; ++k) {
     const std::uint16_t* p = b + k;
-    const __m256 v = _mm256_setr_ps(bf16_value(p[0]), bf16_value(p[ldb]), bf16_value(p[2 * ldb]),
-                                    bf16_value(p[3 * ldb]), bf16_value(p[4 * ldb]), bf16_value(p[5 * ldb]),
-                                    bf16_value(p[6 * ldb]), bf16_value(p[7 * ldb]));
+    const __m256 v =
+        _mm256_setr_ps(bf16_to_float(p[0]), bf16_to_float(p[ldb]), bf16_to_float(p[2 * ldb]),
+                       bf16_to_float(p[3 * ldb]), bf16_to_float(p[4 * ldb]), bf16_to_float(p[5 * ldb]),
+                       bf16_to_float(p[6 * ldb]), bf16_to_float(p[7 * ldb]));
     for (int m = 0; m < M; ++m) acc[m] = _mm256_fmadd_ps(_mm256_broadcast_ss(a + m * lda + k), v, acc[m]);
   }
 }

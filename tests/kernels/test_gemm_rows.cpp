@@ -14,6 +14,7 @@
 
 #include "cpu/gemm_rows.hpp"
 #include "cpu/isa.hpp"
+#include "kvcomp/half.hpp"
 
 namespace kvcomp::detail {
 namespace {
@@ -86,18 +87,6 @@ TEST(GemmRows, EveryRowEqualsItsRowInALongSgemmCall) {
   }
 }
 
-std::uint16_t bf16_bits(float f) {
-  std::uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return static_cast<std::uint16_t>(u >> 16);
-}
-float bf16_value(std::uint16_t h) {
-  const std::uint32_t u = static_cast<std::uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
 // The bf16 variant (weights read where they lie, widened as read): against the same long sgemm call
 // on the widened weights, including rows of exactly K bf16 (a caller's tensor).
 TEST(GemmRows, Bf16WeightsGiveTheBitsOfTheWidenedOnes) {
@@ -114,8 +103,8 @@ TEST(GemmRows, Bf16WeightsGiveTheBitsOfTheWidenedOnes) {
         for (i64 i = 0; i < long_rows; ++i)
           for (i64 j = 0; j < k; ++j) a[i * lda + j] = normal(rng) * static_cast<float>(1 + i % 5);
         for (i64 i = 0; i < n * ldb; ++i) {
-          b16[i] = bf16_bits(normal(rng));
-          b[i] = bf16_value(b16[i]);
+          b16[i] = float_to_bf16(normal(rng));
+          b[i] = bf16_to_float(b16[i]);
         }
         ASSERT_EQ(
             dnnl_sgemm('N', 'T', long_rows, n, k, 1.0f, a.data(), lda, b.data(), ldb, 0.0f, ref.data(), ldc),
