@@ -175,7 +175,9 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
       if (!ok) return {StatusCode::runtime_error, "[kvcomp] oneDNN bf16 matmul for the projections failed"};
     } else {
       rows_to_f32(x_rows, d.io, n, H, buf.xf, buf.ld_h, num_threads);
-      if (bf16_in_place) {  // [new_kv | new_score] = x . [wkv ; wgate]^T, the weights as they lie
+      if (prepared.kv_panels && gemm_row_panels_applicable(n, C)) {  // one token: the decode panels
+        gemm_row_panels(C, H, buf.xf, prepared.kv_panels, prepared.gate_panels, rows, num_threads);
+      } else if (bf16_in_place) {  // [new_kv | new_score] = x . [wkv ; wgate]^T, the weights as they lie
         gemm_rows_bf16_weights(n, C, H, buf.xf, buf.ld_h, static_cast<const std::uint16_t*>(args.wkv.data),
                                static_cast<const std::uint16_t*>(args.wgate.data), rows, buf.ld_c2,
                                num_threads);

@@ -56,15 +56,16 @@ bool row_stable() {
 
 std::int64_t tile_m() { return onednn_has_avx512() || !row_stable() ? 256 : 192; }
 
-// Compares gemm_rows_avx2 with sgemm bit for bit: every row count 1-8 against the rows of a 12-row
-// call (two whole groups of 6: the long-call path), over K that take each branch of
-// sgemm_k_blocks, with leading dimensions that are not multiples of 16. False at the first
+// Compares gemm_rows_avx2 (B in fp32 and bf16 rows) with sgemm bit for bit: every row count 1-8
+// against the rows of a 12-row call (two whole groups of 6: the long-call path), and one row from
+// decode panels (gemm_row_avx2_panels), over K that take each branch of sgemm_k_blocks, with leading
+// dimensions that are not multiples of 16. False at the first
 // difference, or when the buffers cannot be allocated (std::malloc: the fp32 products allocate
 // nothing with operator new, docs/robustness.md).
 bool rows_kernel_matches_sgemm() {
   constexpr std::int64_t rows = 12, n = 32, k_max = 4096, ld = k_max + 5;
-  const std::size_t floats =
-      static_cast<std::size_t>((rows + n) * ld + (rows + kRowsKernelMax) * n + (n * ld + 1) / 2);
+  const std::size_t floats = static_cast<std::size_t>((rows + n) * ld + (rows + kRowsKernelMax) * n +
+                                                      (n * ld + 1) / 2 + n * k_max / 2);
   const std::unique_ptr<float, decltype(&std::free)> mem(
       static_cast<float*>(std::malloc(floats * sizeof(float))), &std::free);
   if (!mem) return false;
@@ -73,6 +74,7 @@ bool rows_kernel_matches_sgemm() {
   float* const ref = b + n * ld;
   float* const out = ref + rows * n;
   auto* const b16 = reinterpret_cast<std::uint16_t*>(out + kRowsKernelMax * n);
+  std::uint16_t* const panels = b16 + 2 * ((n * ld + 1) / 2);
   // Values of many magnitudes and both signs, so that the order of additions shows in the bits; B's
   // are rounded to bf16 values, kept as bf16 too for the bf16 variant.
   std::uint32_t state = 0x9e3779b9u;
@@ -97,6 +99,10 @@ bool rows_kernel_matches_sgemm() {
       if (std::memcmp(out, ref + (rows - m) * n, static_cast<std::size_t>(m * n) * sizeof(float)) != 0)
         return false;
     }
+    write_panels(b16, ld, n, k, panels);
+    gemm_row_avx2_panels(n, k, a + (rows - 1) * ld, panels, out);
+    if (std::memcmp(out, ref + (rows - 1) * n, static_cast<std::size_t>(n) * sizeof(float)) != 0)
+      return false;
   }
   return true;
 }
@@ -144,6 +150,46 @@ void gemm_rows_bf16_weights(std::int64_t n, std::int64_t half, std::int64_t K, c
     const bool gate = tile >= per;
     const std::int64_t n0 = (tile - (gate ? per : 0)) * kTileN, nt = std::min(kTileN, half - n0);
     gemm_rows_avx2_bf16(n, nt, K, a, lda, (gate ? wgate : wkv) + n0 * K, K, c + (gate ? half : 0) + n0, ldc);
+  }
+}
+
+bool decode_panels_wanted() {
+  static const bool yes = [] {
+    const char* v = std::getenv("KVCOMP_DECODE_PANELS");
+    if (v != nullptr && v[0] == '0') return false;
+    const unsigned isa = static_cast<unsigned>(dnnl_get_effective_cpu_isa());
+    const unsigned avx2 = static_cast<unsigned>(dnnl_cpu_isa_avx2);
+    return detected_isa() >= Isa::avx2 && !onednn_has_avx512() && (isa & avx2) == avx2;
+  }();
+  return yes;
+}
+
+void write_panels(const std::uint16_t* w, std::int64_t ldw, std::int64_t n, std::int64_t k,
+                  std::uint16_t* out, int num_threads) {
+  const std::int64_t panels = (n + kPanelWidth - 1) / kPanelWidth;
+  const int threads = static_cast<int>(std::clamp<std::int64_t>(panels, 1, std::max(num_threads, 1)));
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (std::int64_t p = 0; p < panels; ++p) {
+    const std::int64_t c1 = std::min(n, (p + 1) * kPanelWidth);
+    for (std::int64_t col = p * kPanelWidth; col < c1; ++col)
+      for (std::int64_t kk = 0; kk < k; ++kk) out[panel_offset(col, kk, n, k)] = w[col * ldw + kk];
+  }
+}
+
+bool gemm_row_panels_applicable(std::int64_t n, std::int64_t half) {
+  return n == 1 && half > 0 && half % 16 == 0 && use_rows_kernel();
+}
+
+void gemm_row_panels(std::int64_t half, std::int64_t K, const float* a, const std::uint16_t* kv_panels,
+                     const std::uint16_t* gate_panels, float* c, int num_threads) {
+  // One panel per work item (an element's order does not depend on the cut).
+  const std::int64_t per = (half + kPanelWidth - 1) / kPanelWidth, items = 2 * per;
+#pragma omp parallel for num_threads(static_cast<int>(std::min<std::int64_t>(num_threads, items))) \
+    schedule(dynamic, 1)
+  for (std::int64_t item = 0; item < items; ++item) {
+    const bool gate = item >= per;
+    const std::int64_t n0 = (item - (gate ? per : 0)) * kPanelWidth, nt = std::min(kPanelWidth, half - n0);
+    gemm_row_avx2_panels(nt, K, a, (gate ? gate_panels : kv_panels) + n0 * K, c + (gate ? half : 0) + n0);
   }
 }
 

@@ -52,4 +52,23 @@ void gemm_rows_avx2(std::int64_t m, std::int64_t n, std::int64_t k, const float*
 void gemm_rows_avx2_bf16(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,
                          const std::uint16_t* b, std::int64_t ldb, float* c, std::int64_t ldc);
 
+// Decode panels: a bf16 matrix B [n, k] (n a multiple of 16) stored for one-row products, so that a
+// token's projection reads the weights once, in order, at half the bytes of the fp32 copy (a one-row
+// product is bound by reading its weights). Panel p holds columns [64p, 64p + w), w = min(64, n - 64p),
+// K-major: its k-th row is the w values B[64p .. 64p + w, k], each 16 of them stored in the order
+// 0-3, 8-11, 4-7, 12-15, so that widening the low and the high halves of each 128-bit lane gives columns
+// 0-7 and 8-15 in order. Panel p starts at element 64p * k.
+inline constexpr std::int64_t kPanelWidth = 64;
+// Where B[col, kk] lies in the panels of a matrix of n columns.
+inline std::int64_t panel_offset(std::int64_t col, std::int64_t kk, std::int64_t n, std::int64_t k) {
+  const std::int64_t p0 = col / kPanelWidth * kPanelWidth, w = n - p0 < kPanelWidth ? n - p0 : kPanelWidth;
+  const std::int64_t j = col - p0, q = j % 16;
+  const std::int64_t in16 = q < 4 ? q : q < 8 ? q + 4 : q < 12 ? q - 4 : q;
+  return p0 * k + kk * w + j / 16 * 16 + in16;
+}
+// c[0, n) = a[0, k) . B^T for one row, B in panels (n a multiple of 16, panels starting at column 0 of B,
+// c and a unaligned): each element the bits gemm_rows_avx2 gives it from B widened to fp32. AVX2 + FMA.
+void gemm_row_avx2_panels(std::int64_t n, std::int64_t k, const float* a, const std::uint16_t* panels,
+                          float* c);
+
 }  // namespace kvcomp::detail

@@ -146,7 +146,65 @@ void rows_dispatch(std::int64_t m, std::int64_t n, std::int64_t k, const float* 
   kernels[std::clamp<std::int64_t>(m, 1, sizeof...(I)) - 1](n, k, a, lda, b, ldb, c, ldc);
 }
 
+// One row against one panel of G 16-column groups (gemm_rows.hpp): acc[g] = the fma chain over k in
+// [k0, k1) of a[k] * B[8g + lane, k], from zero, in k order (k_block's order, without transposes).
+template <int G>
+inline void panel_k_block(const float* a, const std::uint16_t* panel, std::int64_t k0, std::int64_t k1,
+                          __m256 (&acc)[2 * G]) {
+  constexpr std::int64_t w = 16 * G;
+  for (int g = 0; g < 2 * G; ++g) acc[g] = _mm256_setzero_ps();
+  const __m256i zero = _mm256_setzero_si256();
+#pragma GCC unroll 4
+  for (std::int64_t k = k0; k < k1; ++k) {
+    const std::uint16_t* row = panel + k * w;
+    if ((k & 1) == 0) {  // the panel streams: two rows (at most two cache lines) per pass, 8 rows ahead
+      _mm_prefetch(reinterpret_cast<const char*>(row + 8 * w), _MM_HINT_T0);
+      if (G > 2) _mm_prefetch(reinterpret_cast<const char*>(row + 8 * w + 32), _MM_HINT_T0);
+    }
+    const __m256 av = _mm256_broadcast_ss(a + k);
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) {
+      const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * g));
+      acc[2 * g] = _mm256_fmadd_ps(av, _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, y)), acc[2 * g]);
+      acc[2 * g + 1] =
+          _mm256_fmadd_ps(av, _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, y)), acc[2 * g + 1]);
+    }
+  }
+}
+
+template <int G>
+void panel_row(std::int64_t k, const float* a, const std::uint16_t* panel, float* c) {
+  const KBlocks blocks = sgemm_k_blocks(k);
+  for (int blk = 0; blk < blocks.count; ++blk) {
+    __m256 acc[2 * G];
+    panel_k_block<G>(a, panel, blocks.begin(blk), blocks.end(blk), acc);
+    for (int g = 0; g < 2 * G; ++g)  // as rows_kernel: the first block's sum, the later ones added in order
+      _mm256_storeu_ps(c + 8 * g, blk == 0 ? acc[g] : _mm256_add_ps(_mm256_loadu_ps(c + 8 * g), acc[g]));
+  }
+}
+
 }  // namespace
+
+void gemm_row_avx2_panels(std::int64_t n, std::int64_t k, const float* a, const std::uint16_t* panels,
+                          float* c) {
+  for (std::int64_t p0 = 0; p0 < n; p0 += kPanelWidth) {
+    const std::uint16_t* panel = panels + p0 * k;
+    switch (std::min(kPanelWidth, n - p0) / 16) {
+      case 4:
+        panel_row<4>(k, a, panel, c + p0);
+        break;
+      case 3:
+        panel_row<3>(k, a, panel, c + p0);
+        break;
+      case 2:
+        panel_row<2>(k, a, panel, c + p0);
+        break;
+      default:
+        panel_row<1>(k, a, panel, c + p0);
+        break;
+    }
+  }
+}
 
 void gemm_rows_avx2(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,
                     const float* b, std::int64_t ldb, float* c, std::int64_t ldc) {

@@ -5,6 +5,7 @@
 
 #include "cpu/backend.hpp"
 #include "cpu/convert.hpp"
+#include "cpu/gemm.hpp"
 #include "cpu/gemm_bf16.hpp"
 
 namespace kvcomp::detail {
@@ -18,9 +19,10 @@ struct Header {
   std::uint32_t kind;
   std::uint32_t io;
   std::int64_t C, H;
-  std::uint64_t kernels;     // hash of product_kernels(): the blob is only good for these kernels
-  std::uint64_t data_bytes;  // after the header
-  std::uint64_t reserved[2];
+  std::uint64_t kernels;      // hash of product_kernels(): the blob is only good for these kernels
+  std::uint64_t data_bytes;   // after the header
+  std::uint64_t panel_bytes;  // the decode panels at the end of data_bytes (f32 kind), or 0
+  std::uint64_t reserved;
 };
 static_assert(sizeof(Header) <= kPreparedHeaderBytes);
 
@@ -48,7 +50,11 @@ bool prepared_layout(DType io, std::int64_t C, std::int64_t H, PreparedLayout* o
                               : PreparedLayout{PreparedKind::in_place, 0};
     return true;
   }
-  *out = {PreparedKind::f32, static_cast<std::size_t>(2 * C * padded_ld(H)) * sizeof(float)};
+  const std::size_t panel_bytes = io == DType::bf16 && C % 16 == 0 && decode_panels_wanted()
+                                      ? static_cast<std::size_t>(2 * C * H) * sizeof(std::uint16_t)
+                                      : 0;
+  *out = {PreparedKind::f32, static_cast<std::size_t>(2 * C * padded_ld(H)) * sizeof(float) + panel_bytes,
+          panel_bytes};
   return true;
 }
 
@@ -67,6 +73,11 @@ Status write_prepared(const Tensor& wkv, const Tensor& wgate, const PreparedLayo
     auto* w = reinterpret_cast<float*>(data);
     rows_to_f32(wkv.data, wkv.dtype, C, H, w, ld, num_threads);
     rows_to_f32(wgate.data, wgate.dtype, C, H, w + C * ld, ld, num_threads);
+    if (layout.panel_bytes > 0) {
+      auto* panels = reinterpret_cast<std::uint16_t*>(w + 2 * C * ld);
+      write_panels(static_cast<const std::uint16_t*>(wkv.data), H, C, H, panels, num_threads);
+      write_panels(static_cast<const std::uint16_t*>(wgate.data), H, C, H, panels + C * H, num_threads);
+    }
   }
   Header h{};
   std::memcpy(h.magic, kMagic, sizeof kMagic);
@@ -76,6 +87,7 @@ Status write_prepared(const Tensor& wkv, const Tensor& wgate, const PreparedLayo
   h.H = H;
   h.kernels = kernels_hash();
   h.data_bytes = layout.data_bytes;
+  h.panel_bytes = layout.panel_bytes;
   std::memset(blob, 0, kPreparedHeaderBytes);
   std::memcpy(blob, &h, sizeof h);  // last: a blob whose data failed has no valid header
   return Status::success();
@@ -95,13 +107,19 @@ Status check_prepared(const void* blob, std::size_t bytes, DType io, std::int64_
   PreparedLayout want;
   if (!prepared_layout(io, C, H, &want))
     return {StatusCode::runtime_error, "[kvcomp] oneDNN could not create the bf16 projection product"};
-  if (h.kernels != kernels_hash() || h.kind != static_cast<std::uint32_t>(want.kind) ||
-      h.data_bytes != want.data_bytes)
+  // Decode panels are optional (KVCOMP_DECODE_PANELS=0 where the blob was written, or here): a blob
+  // with or without them serves, the forward reads them only where present.
+  const std::size_t rows_bytes = want.data_bytes - want.panel_bytes;
+  const std::size_t panels_possible = want.kind == PreparedKind::f32 && io == DType::bf16 && C % 16 == 0
+                                          ? static_cast<std::size_t>(2 * C * H) * sizeof(std::uint16_t)
+                                          : 0;
+  const bool panels_ok = h.panel_bytes == 0 || h.panel_bytes == panels_possible;
+  if (h.kernels != kernels_hash() || h.kind != static_cast<std::uint32_t>(want.kind) || !panels_ok ||
+      h.data_bytes != rows_bytes + h.panel_bytes)
     return invalid(what + "must be prepared on this machine with these product kernels (" +
                    std::string(product_kernels()) + "); prepare again");
-  if (bytes < kPreparedHeaderBytes + want.data_bytes)
-    return invalid(what + "must hold its " + std::to_string(kPreparedHeaderBytes + want.data_bytes) +
-                   " bytes");
+  if (bytes < kPreparedHeaderBytes + h.data_bytes)
+    return invalid(what + "must hold its " + std::to_string(kPreparedHeaderBytes + h.data_bytes) + " bytes");
   return Status::success();
 }
 
@@ -110,7 +128,13 @@ PreparedView prepared_view(const void* blob) {
   std::memcpy(&h, blob, sizeof h);
   if (h.kind == static_cast<std::uint32_t>(PreparedKind::in_place)) return {};
   const auto* data = static_cast<const unsigned char*>(blob) + kPreparedHeaderBytes;
-  return {data, data + h.data_bytes / 2};  // two matrices of one size each
+  const std::size_t rows_bytes = h.data_bytes - h.panel_bytes;
+  PreparedView v{data, data + rows_bytes / 2};  // two matrices of one size each
+  if (h.panel_bytes > 0) {
+    v.kv_panels = reinterpret_cast<const std::uint16_t*>(data + rows_bytes);
+    v.gate_panels = v.kv_panels + h.panel_bytes / 2 / sizeof(std::uint16_t);
+  }
+  return v;
 }
 
 }  // namespace kvcomp::detail

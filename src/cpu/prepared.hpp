@@ -16,7 +16,8 @@ namespace kvcomp::detail {
 enum class PreparedKind : std::uint32_t {
   in_place = 0,  // bf16 units whose kernel reads B where it lies: nothing to prepare
   packed = 1,    // bf16 units with a packed layout (AMX): wkv then wgate, packed_bytes each
-  f32 = 2,       // fp32 products: [2C, padded_ld(H)] fp32, the wkv rows then the wgate rows
+  f32 = 2,       // fp32 products: [2C, padded_ld(H)] fp32, the wkv rows then the wgate rows; for bf16
+                 // weights where decode_panels_wanted() (gemm.hpp), then wkv's and wgate's decode panels
 };
 
 // Bytes of the header in front of the prepared data (a multiple of 64, so the data keeps the
@@ -27,7 +28,8 @@ constexpr std::size_t kPreparedHeaderBytes = 64;
 // False when oneDNN could not make the bf16 product (out of memory).
 struct PreparedLayout {
   PreparedKind kind = PreparedKind::in_place;
-  std::size_t data_bytes = 0;
+  std::size_t data_bytes = 0;   // panel_bytes included
+  std::size_t panel_bytes = 0;  // decode panels of both matrices (f32 kind, bf16 weights), or 0
 };
 bool prepared_layout(DType io, std::int64_t C, std::int64_t H, PreparedLayout* out);
 
@@ -45,10 +47,13 @@ Bf16Shape projection_shape(std::int64_t C, std::int64_t H);
 Status check_prepared(const void* blob, std::size_t bytes, DType io, std::int64_t C, std::int64_t H);
 
 // Where a blob that check_prepared accepted holds the two matrices: wkv's and wgate's data (fp32
-// rows or packed), both null for in_place.
+// rows or packed), both null for in_place; and their decode panels, null where the blob has none (a
+// blob written under KVCOMP_DECODE_PANELS=0 serves a process without it, and the other way round).
 struct PreparedView {
   const void* kv = nullptr;
   const void* gate = nullptr;
+  const std::uint16_t* kv_panels = nullptr;
+  const std::uint16_t* gate_panels = nullptr;
 };
 PreparedView prepared_view(const void* blob);
 

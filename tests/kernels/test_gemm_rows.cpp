@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <oneapi/dnnl/dnnl.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <random>
@@ -118,6 +119,57 @@ TEST(GemmRows, Bf16WeightsGiveTheBitsOfTheWidenedOnes) {
                   << r0 + m - 1 << ": row " << r0 + i;
           }
       }
+    }
+  }
+}
+
+// Decode panels, laid out here from their description in gemm_rows.hpp (not by the library's writer):
+// panels of 64 columns (the last one narrower), K-major, each 16 columns in the order 0-3, 8-11, 4-7,
+// 12-15. One row against the same long sgemm call on the widened weights, at three row positions, for
+// every panel width (16, 48, 64, 64 + 16, 3 x 64 + 16, 4 x 64) and K of each sgemm_k_blocks branch;
+// the columns past n keep their bytes.
+std::vector<std::uint16_t> panels_of(const std::vector<std::uint16_t>& b16, i64 n, i64 k, i64 ldb) {
+  static constexpr int kPos[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+  std::vector<std::uint16_t> out(static_cast<std::size_t>(n * k));
+  for (i64 p0 = 0; p0 < n; p0 += 64) {
+    const i64 w = std::min<i64>(64, n - p0);
+    for (i64 kk = 0; kk < k; ++kk)
+      for (i64 j = 0; j < w; ++j)
+        out[p0 * k + kk * w + j / 16 * 16 + kPos[j % 16]] = b16[(p0 + j) * ldb + kk];
+  }
+  return out;
+}
+
+TEST(GemmRows, DecodePanelsGiveTheBitsOfTheWidenedRows) {
+  SKIP_WITHOUT_AVX2();
+  std::mt19937 rng(13);
+  std::normal_distribution<float> normal;
+  constexpr i64 long_rows = 192;
+  for (const i64 k : {1, 4, 255, 256, 257, 511, 513, 1003, 4096, 4103}) {
+    for (const i64 n : {16, 48, 64, 80, 208, 256}) {
+      const i64 lda = k + 3, ldb = k + 5, ldc = n + 8;
+      std::vector<float> a(long_rows * lda), b(n * ldb), ref(long_rows * ldc), out(ldc, -7.0f);
+      std::vector<std::uint16_t> b16(n * ldb);
+      for (i64 i = 0; i < long_rows; ++i)
+        for (i64 j = 0; j < k; ++j) a[i * lda + j] = normal(rng) * static_cast<float>(1 + i % 3);
+      for (i64 i = 0; i < n * ldb; ++i) {
+        b16[i] = float_to_bf16(normal(rng));
+        b[i] = bf16_to_float(b16[i]);
+      }
+      const std::vector<std::uint16_t> panels = panels_of(b16, n, k, ldb);
+      ASSERT_EQ(
+          dnnl_sgemm('N', 'T', long_rows, n, k, 1.0f, a.data(), lda, b.data(), ldb, 0.0f, ref.data(), ldc),
+          dnnl_success);
+      for (const i64 r0 : {i64{0}, i64{37}, long_rows - 1}) {
+        gemm_row_avx2_panels(n, k, a.data() + r0 * lda, panels.data(), out.data());
+        ASSERT_EQ(std::memcmp(out.data(), ref.data() + r0 * ldc, n * sizeof(float)), 0)
+            << "K " << k << ", " << n << " columns, row " << r0;
+        for (i64 j = n; j < ldc; ++j) ASSERT_EQ(out[j], -7.0f) << "column " << j << " written";
+      }
+      // The library's description of the layout agrees with this one.
+      for (i64 col = 0; col < n; col += 7)
+        for (i64 kk = 0; kk < k; kk += 97)
+          EXPECT_EQ(panels[panel_offset(col, kk, n, k)], b16[col * ldb + kk]);
     }
   }
 }

@@ -49,16 +49,18 @@ def test_decode_against_the_oracle(r, coff, cache_mode, th, B, tokens):
         _check(case, out, cache)
 
 
+@pytest.mark.parametrize("B", [1, 8])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("r,coff,cache_mode,th", [(4, 2, 1, False), (128, 1, 2, True)])
-def test_prepared_weights_against_the_oracle(dtype, r, coff, cache_mode, th):
+def test_prepared_weights_against_the_oracle(dtype, r, coff, cache_mode, th, B):
     """A server prepares its weights once (kvcomp.prepare_weights) and names them in every decode
-    call: the oracle's results, and bitwise those of the same call without them."""
+    call: the oracle's results, and bitwise those of the same call without them (B = 1: one token,
+    which reads the blob's decode panels where it has them, src/cpu/gemm.hpp)."""
     import kvcomp
 
     for offset in [0, r - 1]:
-        sp = _starts(8, r, 1000 if r < 128 else 1024, offset)
-        case = make_case(lens=[1] * 8, H=H, D=D, r=r, coff=coff, start_pos=sp, th=th,
+        sp = _starts(B, r, 1000 if r < 128 else 1024, offset)
+        case = make_case(lens=[1] * B, H=H, D=D, r=r, coff=coff, start_pos=sp, th=th,
                          cache_mode=cache_mode, dtype=dtype, seed=77 + offset)
         blob = kvcomp.prepare_weights(case.wkv, case.wgate)
         assert blob.dtype == torch.uint8 and blob.dim() == 1 and blob.numel() >= 64

@@ -41,7 +41,7 @@ HAS_BF16_UNITS = bool(FLAGS & {"amx_bf16", "avx512_bf16"})
 
 def _child(code, **env):
     e = dict(os.environ)
-    for k in ("KVCOMP_PRODUCTS", "KVCOMP_ISA", "KVCOMP_ROW_STABLE"):
+    for k in ("KVCOMP_PRODUCTS", "KVCOMP_ISA", "KVCOMP_ROW_STABLE", "KVCOMP_DECODE_PANELS"):
         e.pop(k, None)
     e.update(env)
     e["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(__file__), e.get("PYTHONPATH")]))
@@ -111,6 +111,46 @@ def test_prepared_weights_serve_with_and_without_the_rows_kernel():
                                         start_pos=torch.tensor([1], dtype=torch.int32), prepared_weights=blob)[0]
         outs.append((out, cache))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.skipif(not AVX2_SGEMM, reason="oneDNN runs no AVX2 sgemm here (no decode panels)")
+def test_prepared_weights_serve_with_and_without_decode_panels(tmp_path):
+    """Here a blob of bf16 weights also holds them as decode panels for one-token calls (2 * C * H bf16
+    more); KVCOMP_DECODE_PANELS=0 leaves them out. Either blob serves either process, with the bits of
+    the call without a blob."""
+    C, Hs = 48, 1003
+    code = ("import torch, kvcomp; g = torch.Generator().manual_seed(5); "
+            f"w = (torch.randn(2, {C}, {Hs}, generator=g) / 8).bfloat16(); "
+            "print(kvcomp.prepare_weights(w[0], w[1]).numpy().tobytes().hex())")
+    lean = torch.frombuffer(bytearray.fromhex(_child(code, KVCOMP_DECODE_PANELS="0")), dtype=torch.uint8)
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(2, C, Hs, generator=g) / 8).bfloat16()
+    own = kvcomp.prepare_weights(w[0], w[1])
+    assert own.numel() - lean.numel() == 2 * C * Hs * 2
+    x = torch.randn(1, 1, Hs, generator=g).bfloat16()
+    ape = torch.randn(4, C, generator=g)
+    outs = []
+    for blob in (None, lean, own):
+        cache = torch.zeros(2, 8, 2 * C)
+        table = torch.tensor([[1]], dtype=torch.int32)
+        out = kvcomp.compressor_forward(x, w[0], w[1], cache, ape, 4, state_block_table=table, coff=1,
+                                        start_pos=torch.tensor([3], dtype=torch.int32), prepared_weights=blob)[0]
+        outs.append((out, cache))
+    for out, cache in outs[1:]:
+        assert torch.equal(out, outs[0][0]) and torch.equal(cache, outs[0][1])
+    # The other way round: this process's blob (with panels) in a process without them.
+    path = tmp_path / "blob.bin"
+    path.write_bytes(own.numpy().tobytes())
+    check = ("import torch, kvcomp; g = torch.Generator().manual_seed(5); "
+             f"w = (torch.randn(2, {C}, {Hs}, generator=g) / 8).bfloat16(); "
+             f"blob = torch.frombuffer(bytearray(open({str(path)!r}, 'rb').read()), dtype=torch.uint8); "
+             f"x = torch.randn(1, 1, {Hs}, generator=g).bfloat16(); ape = torch.randn(4, {C}, generator=g); "
+             "outs = [kvcomp.compressor_forward(x, w[0], w[1], torch.zeros(2, 8, 96), ape, 4, "
+             "state_block_table=torch.tensor([[1]], dtype=torch.int32), coff=1, "
+             "start_pos=torch.tensor([3], dtype=torch.int32), prepared_weights=b)[0] for b in (None, blob)]; "
+             "print(torch.equal(outs[0], outs[1]), outs[0].float().sum().item())")
+    same, total = _child(check, KVCOMP_DECODE_PANELS="0").split()
+    assert same == "True" and float(total) == outs[0][0].float().sum().item()
 
 
 def test_row_stability_off_keeps_sgemm_alone():
