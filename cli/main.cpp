@@ -190,6 +190,9 @@ int run(int argc, char** argv) {
   bench->add_option("--decode-cache", bench_o.decode_cache, "Cache of the decode cases: paged or ring")
       ->check(CLI::IsMember({"paged", "ring"}))
       ->capture_default_str();
+  bench->add_flag("--decode-cold", bench_o.decode_cold,
+                  "Evict the CPU caches before each timed decode call and product (a server's many layers "
+                  "leave no weights cached)");
   add_device_option(bench, &bench_o.device);
   bench->footer(kExitFooter);
   CLI::App* info =

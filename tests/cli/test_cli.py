@@ -476,6 +476,22 @@ def test_demo_and_bench_on_the_gpu():
         assert min(fwd_ms, fwd_ratio, bwd_ms, bwd_ratio, parity_ms, parity_ratio) > 0, row
 
 
+@pytest.mark.parametrize("cold", [False, True])
+def test_bench_decode_rows(cold):
+    """`kvcomp bench` on the CPU, decode cases only: one row per B with positive times and ratios, and
+    with --decode-cold the header says the caches were evicted."""
+    args = ["bench", "--no-training", "--preset", "C4Li", "--hidden", "64", "--decode", "1", "8", "--repeat", "1"]
+    r = run_kvcomp(*args, *(["--decode-cold"] if cold else []))
+    assert r.returncode == 0, r.stderr
+    assert ("decode cold" in r.stdout.splitlines()[0]) == cold, r.stdout
+    rows = [line.split("|") for line in r.stdout.splitlines() if line.startswith("C4Li")]
+    assert [int(row[0].split()[1]) for row in rows] == [1, 8], r.stdout
+    for row in rows:
+        open_ms, close_ms, _, raw_ms = map(float, row[2].split())
+        f32p_ms = float(row[3].split()[1])
+        assert min(open_ms, close_ms, raw_ms, f32p_ms) > 0, row
+
+
 def test_bench_on_a_missing_device():
     r = run_kvcomp("bench", "--device", "cuda:99", "--tokens", "256", "--hidden", "64", "--preset", "C4Li")
     assert r.returncode == 1 and "--device (= cuda:99) must be" in r.stderr, r.stderr
