@@ -39,7 +39,8 @@ class Compressor(torch.nn.Module):
     torch records (optimizer steps, ``load_state_dict``, any in-place op on the parameter: its
     version counter, and its storage) or the io dtype changes. A change written through
     ``param.data`` is not recorded by torch: call ``forget_prepared_weights()`` after one. The kept
-    copy costs memory (fp32 products: the io-dtype weights plus an fp32 copy); that method frees it.
+    copy costs memory (fp32 products: the io-dtype weights plus an fp32 copy, and on AVX2 CPUs bf16
+    decode panels for one-token calls); that method frees it.
 
     Args:
         hidden_size: H.
