@@ -59,9 +59,9 @@ std::int64_t tile_m() { return onednn_has_avx512() || !row_stable() ? 256 : 192;
 // Compares gemm_rows_avx2 (B in fp32 and bf16 rows) with sgemm bit for bit: every row count 1-8
 // against the rows of a 12-row call (two whole groups of 6: the long-call path), and one row from
 // decode panels (gemm_row_avx2_panels), over K that take each branch of sgemm_k_blocks, with leading
-// dimensions that are not multiples of 16. False at the first
-// difference, or when the buffers cannot be allocated (std::malloc: the fp32 products allocate
-// nothing with operator new, docs/robustness.md).
+// dimensions that are not multiples of 16. False at the first difference, or when the buffers cannot
+// be allocated (std::malloc: the fp32 products allocate nothing with operator new,
+// docs/robustness.md).
 bool rows_kernel_matches_sgemm() {
   constexpr std::int64_t rows = 12, n = 32, k_max = 4096, ld = k_max + 5;
   const std::size_t floats = static_cast<std::size_t>((rows + n) * ld + (rows + kRowsKernelMax) * n +
