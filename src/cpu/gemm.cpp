@@ -138,19 +138,33 @@ bool gemm_rows_bf16_applicable(std::int64_t n, std::int64_t half) {
   return n >= 1 && n <= kRowsKernelMax && half > 0 && half % 16 == 0 && use_rows_kernel();
 }
 
-void gemm_rows_bf16_weights(std::int64_t n, std::int64_t half, std::int64_t K, const float* a,
-                            std::int64_t lda, const std::uint16_t* wkv, const std::uint16_t* wgate, float* c,
-                            std::int64_t ldc, int num_threads) {
-  // The column tiles of gemm_f32 for each weight matrix (any cut into whole 16-column groups gives
-  // the same bits: an element's order does not depend on its tile).
-  const std::int64_t per = (half + kTileN - 1) / kTileN, tiles = 2 * per;
+namespace {
+
+// Deals the column tiles of both weight matrices ([half, K] each; tiles of `width` columns, the last
+// one narrower) to an OpenMP team: f(gate, n0, nt) for the tile [n0, n0 + nt) of wkv (gate false) or
+// wgate. Any cut into whole 16-column groups gives the same bits: an element's order does not depend
+// on its tile.
+template <typename F>
+void deal_weight_tiles(std::int64_t half, std::int64_t width, int num_threads, F&& f) {
+  const std::int64_t per = (half + width - 1) / width, tiles = 2 * per;
 #pragma omp parallel for num_threads(static_cast<int>(std::min<std::int64_t>(num_threads, tiles))) \
     schedule(dynamic, 1)
   for (std::int64_t tile = 0; tile < tiles; ++tile) {
     const bool gate = tile >= per;
-    const std::int64_t n0 = (tile - (gate ? per : 0)) * kTileN, nt = std::min(kTileN, half - n0);
-    gemm_rows_avx2_bf16(n, nt, K, a, lda, (gate ? wgate : wkv) + n0 * K, K, c + (gate ? half : 0) + n0, ldc);
+    const std::int64_t n0 = (tile - (gate ? per : 0)) * width;
+    f(gate, n0, std::min(width, half - n0));
   }
+}
+
+}  // namespace
+
+void gemm_rows_bf16_weights(std::int64_t n, std::int64_t half, std::int64_t K, const float* a,
+                            std::int64_t lda, const std::uint16_t* wkv, const std::uint16_t* wgate, float* c,
+                            std::int64_t ldc, int num_threads) {
+  // The column tiles of gemm_f32.
+  deal_weight_tiles(half, kTileN, num_threads, [&](bool gate, std::int64_t n0, std::int64_t nt) {
+    gemm_rows_avx2_bf16(n, nt, K, a, lda, (gate ? wgate : wkv) + n0 * K, K, c + (gate ? half : 0) + n0, ldc);
+  });
 }
 
 bool decode_panels_wanted() {
@@ -188,15 +202,10 @@ bool gemm_row_panels_applicable(std::int64_t n, std::int64_t half) {
 
 void gemm_row_panels(std::int64_t half, std::int64_t K, const float* a, const std::uint16_t* kv_panels,
                      const std::uint16_t* gate_panels, float* c, int num_threads) {
-  // One panel per work item (an element's order does not depend on the cut).
-  const std::int64_t per = (half + kPanelWidth - 1) / kPanelWidth, items = 2 * per;
-#pragma omp parallel for num_threads(static_cast<int>(std::min<std::int64_t>(num_threads, items))) \
-    schedule(dynamic, 1)
-  for (std::int64_t item = 0; item < items; ++item) {
-    const bool gate = item >= per;
-    const std::int64_t n0 = (item - (gate ? per : 0)) * kPanelWidth, nt = std::min(kPanelWidth, half - n0);
+  // One panel per tile.
+  deal_weight_tiles(half, kPanelWidth, num_threads, [&](bool gate, std::int64_t n0, std::int64_t nt) {
     gemm_row_avx2_panels(nt, K, a, (gate ? gate_panels : kv_panels) + n0 * K, c + (gate ? half : 0) + n0);
-  }
+  });
 }
 
 std::int64_t gemm_row_quantum(bool b_transposed) {

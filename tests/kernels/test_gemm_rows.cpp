@@ -88,12 +88,25 @@ TEST(GemmRows, EveryRowEqualsItsRowInALongSgemmCall) {
   }
 }
 
+// Random operands of the bf16 tests: the rows of A (k values each, row stride lda) normal, row i scaled by
+// 1 + i % scales, so that sums cancel at different magnitudes; B normal, rounded to bf16 (b16) and widened
+// back (b).
+void fill_operands(std::mt19937& rng, i64 k, i64 lda, int scales, std::vector<float>& a,
+                   std::vector<std::uint16_t>& b16, std::vector<float>& b) {
+  std::normal_distribution<float> normal;
+  for (std::size_t i = 0; i < a.size() / static_cast<std::size_t>(lda); ++i)
+    for (i64 j = 0; j < k; ++j) a[i * lda + j] = normal(rng) * static_cast<float>(1 + i % scales);
+  for (std::size_t i = 0; i < b16.size(); ++i) {
+    b16[i] = float_to_bf16(normal(rng));
+    b[i] = bf16_to_float(b16[i]);
+  }
+}
+
 // The bf16 variant (weights read where they lie, widened as read): against the same long sgemm call
 // on the widened weights, including rows of exactly K bf16 (a caller's tensor).
 TEST(GemmRows, Bf16WeightsGiveTheBitsOfTheWidenedOnes) {
   SKIP_WITHOUT_AVX2();
   std::mt19937 rng(9);
-  std::normal_distribution<float> normal;
   constexpr i64 long_rows = 192;
   for (const i64 k : {1, 5, 8, 9, 255, 257, 300, 513, 1003, 4096, 4103}) {
     for (const i64 n : {16, 48, 256}) {
@@ -101,12 +114,7 @@ TEST(GemmRows, Bf16WeightsGiveTheBitsOfTheWidenedOnes) {
         const i64 lda = k + 3, ldc = n + 8;
         std::vector<float> a(long_rows * lda), b(n * ldb), ref(long_rows * ldc), out(kRowsKernelMax * ldc);
         std::vector<std::uint16_t> b16(n * ldb);
-        for (i64 i = 0; i < long_rows; ++i)
-          for (i64 j = 0; j < k; ++j) a[i * lda + j] = normal(rng) * static_cast<float>(1 + i % 5);
-        for (i64 i = 0; i < n * ldb; ++i) {
-          b16[i] = float_to_bf16(normal(rng));
-          b[i] = bf16_to_float(b16[i]);
-        }
+        fill_operands(rng, k, lda, 5, a, b16, b);
         ASSERT_EQ(
             dnnl_sgemm('N', 'T', long_rows, n, k, 1.0f, a.data(), lda, b.data(), ldb, 0.0f, ref.data(), ldc),
             dnnl_success);
@@ -143,19 +151,13 @@ std::vector<std::uint16_t> panels_of(const std::vector<std::uint16_t>& b16, i64 
 TEST(GemmRows, DecodePanelsGiveTheBitsOfTheWidenedRows) {
   SKIP_WITHOUT_AVX2();
   std::mt19937 rng(13);
-  std::normal_distribution<float> normal;
   constexpr i64 long_rows = 192;
   for (const i64 k : {1, 4, 255, 256, 257, 511, 513, 1003, 4096, 4103}) {
     for (const i64 n : {16, 48, 64, 80, 208, 256}) {
       const i64 lda = k + 3, ldb = k + 5, ldc = n + 8;
       std::vector<float> a(long_rows * lda), b(n * ldb), ref(long_rows * ldc), out(ldc, -7.0f);
       std::vector<std::uint16_t> b16(n * ldb);
-      for (i64 i = 0; i < long_rows; ++i)
-        for (i64 j = 0; j < k; ++j) a[i * lda + j] = normal(rng) * static_cast<float>(1 + i % 3);
-      for (i64 i = 0; i < n * ldb; ++i) {
-        b16[i] = float_to_bf16(normal(rng));
-        b[i] = bf16_to_float(b16[i]);
-      }
+      fill_operands(rng, k, lda, 3, a, b16, b);
       const std::vector<std::uint16_t> panels = panels_of(b16, n, k, ldb);
       ASSERT_EQ(
           dnnl_sgemm('N', 'T', long_rows, n, k, 1.0f, a.data(), lda, b.data(), ldb, 0.0f, ref.data(), ldc),
