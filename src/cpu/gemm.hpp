@@ -79,7 +79,8 @@ void gemm_rows_bf16_weights(std::int64_t n, std::int64_t half, std::int64_t K, c
 //   FMA and oneDNN runs its AVX2 kernels (as gemm_rows_kernel_active wants, whatever KVCOMP_ISA says, so a
 //   blob's size does not depend on it), unless KVCOMP_DECODE_PANELS=0 (read once; the blob is then 2/3
 //   of the size).
-// - write_panels: the panels of w [n, k] (row stride ldw) into out (n * k elements).
+// - write_panels: the panels of w [n, k] (row stride ldw, n a multiple of 16) into out (n * k
+//   elements); AVX2 (called only where decode_panels_wanted or the rows kernel runs).
 // - gemm_row_panels_applicable / gemm_row_panels: the forward projection of a one-row call from them,
 //   C[0, 2 * half] = a . [wkv ; wgate]^T: where the AVX2 rows kernel is active, n == 1 and half a
 //   multiple of 16; each cell the bits gemm_f32 gives it.

@@ -66,6 +66,10 @@ inline std::int64_t panel_offset(std::int64_t col, std::int64_t kk, std::int64_t
   const std::int64_t in16 = q < 4 ? q : q < 8 ? q + 4 : q < 12 ? q - 4 : q;
   return p0 * k + kk * w + j / 16 * 16 + in16;
 }
+// Writes the panels of w [n, k] (bf16, row stride ldw, n a multiple of 16) into out (n * k elements): 16
+// columns x 8 k at a time through two 8 x 8 transposes in registers. AVX2.
+void write_panels_avx2(const std::uint16_t* w, std::int64_t ldw, std::int64_t n, std::int64_t k,
+                       std::uint16_t* out);
 // c[0, n) = a[0, k) . B^T for one row, B in panels (n a multiple of 16, panels starting at column 0 of B,
 // c and a unaligned): each element the bits gemm_rows_avx2 gives it from B widened to fp32. AVX2 + FMA.
 void gemm_row_avx2_panels(std::int64_t n, std::int64_t k, const float* a, const std::uint16_t* panels,

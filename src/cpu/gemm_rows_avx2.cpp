@@ -183,7 +183,52 @@ void panel_row(std::int64_t k, const float* a, const std::uint16_t* panel, float
   }
 }
 
+// The 8 x 8 transpose of 16-bit elements: r[j] = row j in, column j out.
+inline void transpose8x8_epi16(__m128i (&r)[8]) {
+  __m128i t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm_unpacklo_epi16(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm_unpackhi_epi16(r[2 * i], r[2 * i + 1]);
+  }
+  for (int h = 0; h < 2; ++h)  // rows 0-3 (h = 0) and 4-7
+    for (int i = 0; i < 2; ++i) {
+      u[4 * h + 2 * i] = _mm_unpacklo_epi32(t[4 * h + i], t[4 * h + i + 2]);
+      u[4 * h + 2 * i + 1] = _mm_unpackhi_epi32(t[4 * h + i], t[4 * h + i + 2]);
+    }
+  for (int j = 0; j < 4; ++j) {
+    r[2 * j] = _mm_unpacklo_epi64(u[j], u[j + 4]);
+    r[2 * j + 1] = _mm_unpackhi_epi64(u[j], u[j + 4]);
+  }
+}
+
 }  // namespace
+
+void write_panels_avx2(const std::uint16_t* w, std::int64_t ldw, std::int64_t n, std::int64_t k,
+                       std::uint16_t* out) {
+  for (std::int64_t p0 = 0; p0 < n; p0 += kPanelWidth) {
+    const std::int64_t wd = std::min(kPanelWidth, n - p0);
+    std::uint16_t* panel = out + p0 * k;
+    for (std::int64_t g = 0; g < wd; g += 16) {
+      const std::uint16_t* cols = w + (p0 + g) * ldw;
+      std::int64_t kk = 0;
+      for (; kk + 8 <= k; kk += 8) {
+        __m128i lo[8], hi[8];  // columns 0-7 and 8-15 of the group, k .. k + 7 each
+        for (int i = 0; i < 8; ++i) {
+          lo[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(cols + i * ldw + kk));
+          hi[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(cols + (i + 8) * ldw + kk));
+        }
+        transpose8x8_epi16(lo);
+        transpose8x8_epi16(hi);
+        for (int j = 0; j < 8; ++j)  // columns 0-3, 8-11 | 4-7, 12-15 (gemm_rows.hpp)
+          _mm256_storeu_si256(
+              reinterpret_cast<__m256i*>(panel + (kk + j) * wd + g),
+              _mm256_set_m128i(_mm_unpackhi_epi64(lo[j], hi[j]), _mm_unpacklo_epi64(lo[j], hi[j])));
+      }
+      for (; kk < k; ++kk)
+        for (std::int64_t j = 0; j < 16; ++j) panel[panel_offset(g + j, kk, wd, k)] = cols[j * ldw + kk];
+    }
+  }
+}
 
 void gemm_row_avx2_panels(std::int64_t n, std::int64_t k, const float* a, const std::uint16_t* panels,
                           float* c) {

@@ -176,6 +176,23 @@ TEST(GemmRows, DecodePanelsGiveTheBitsOfTheWidenedRows) {
   }
 }
 
+// The library's panel writer lays the weights out as described (the layout of panels_of), for every
+// panel width and K with and without a tail of fewer than 8.
+TEST(GemmRows, WritePanelsLaysOutTheDescribedPanels) {
+  if (detected_isa() < Isa::avx2) GTEST_SKIP() << "the CPU lacks AVX2 + FMA";
+  std::mt19937 rng(17);
+  std::uniform_int_distribution<int> bits(0, 0xFFFF);
+  for (const i64 k : {1, 7, 8, 9, 300, 1003}) {
+    for (const i64 n : {16, 48, 64, 80, 208}) {
+      const i64 ldb = k + 3;
+      std::vector<std::uint16_t> b16(n * ldb), out(n * k, 0xAAAA);
+      for (auto& v : b16) v = static_cast<std::uint16_t>(bits(rng));
+      write_panels_avx2(b16.data(), ldb, n, k, out.data());
+      EXPECT_EQ(out, panels_of(b16, n, k, ldb)) << "K " << k << ", " << n << " columns";
+    }
+  }
+}
+
 // The kernel writes exactly its m x n cells: the columns past n and the rows past m keep their bytes.
 TEST(GemmRows, WritesOnlyItsCells) {
   SKIP_WITHOUT_AVX2();
