@@ -48,11 +48,27 @@ long peak_rss_mib() {
   return ru.ru_maxrss / 1024;
 }
 
-// Best wall time of `repeat` runs of f.
+// Reads and writes a buffer of 4x the last-level cache (at least 128 MiB) so that no operand of the next
+// call is cached: a server runs many layers between two calls of one, so their weights come from memory.
+void evict_caches() {
+  static std::vector<std::uint64_t> junk = [] {
+    const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
+    const std::size_t bytes =
+        std::max<std::size_t>(std::size_t{128} << 20, 4 * static_cast<std::size_t>(std::max(l3, 0L)));
+    return std::vector<std::uint64_t>(bytes / sizeof(std::uint64_t), 1);
+  }();
+  std::uint64_t sum = 0;
+#pragma omp parallel for reduction(+ : sum) schedule(static)
+  for (std::size_t i = 0; i < junk.size(); i += 8) sum += junk[i] += 1;  // one word per cache line
+  if (sum == 42) std::fputc(' ', stderr);
+}
+
+// Best wall time of `repeat` runs of f, the caches evicted before each run (not timed) when `cold`.
 template <typename F>
-double best_of(int repeat, F&& f) {
+double best_of(int repeat, F&& f, bool cold = false) {
   double best = 1e300;
   for (int i = 0; i < repeat; ++i) {
+    if (cold) evict_caches();
     const auto t0 = Clock::now();
     f();
     best = std::min(best, seconds_since(t0));
@@ -96,34 +112,6 @@ Result run_case(const Case& c, const BenchOptions& o) {
   return res;
 }
 
-// Reads and writes a buffer of 4x the last-level cache (at least 128 MiB) so that no operand of the next
-// call is cached: a server runs many layers between two calls of one, so their weights come from memory.
-void evict_caches() {
-  static std::vector<std::uint64_t> junk = [] {
-    const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
-    const std::size_t bytes =
-        std::max<std::size_t>(std::size_t{128} << 20, 4 * static_cast<std::size_t>(std::max(l3, 0L)));
-    return std::vector<std::uint64_t>(bytes / sizeof(std::uint64_t), 1);
-  }();
-  std::uint64_t sum = 0;
-#pragma omp parallel for reduction(+ : sum) schedule(static)
-  for (std::size_t i = 0; i < junk.size(); i += 8) sum += junk[i] += 1;  // one word per cache line
-  if (sum == 42) std::fputc(' ', stderr);
-}
-
-// best_of with the caches evicted before each run (not timed) when `cold`.
-template <typename F>
-double best_of_maybe_cold(int repeat, bool cold, F&& f) {
-  double best = 1e300;
-  for (int i = 0; i < repeat; ++i) {
-    if (cold) evict_caches();
-    const auto t0 = Clock::now();
-    f();
-    best = std::min(best, seconds_since(t0));
-  }
-  return best;
-}
-
 struct DecodeResult {
   double open_s = 0, close_s = 0, close_raw_s = 0, products_s = 0, products_bf16_s = 0;
 };
@@ -151,7 +139,7 @@ DecodeResult run_decode(DecodeCase c, const BenchOptions& o) {
       args.prepared_weights_bytes = bytes;
     }
     Status st = compressor_forward(args, opt);  // warm-up: primitives, pages
-    const double t = best_of_maybe_cold(o.repeat, o.decode_cold, [&] { st = compressor_forward(args, opt); });
+    const double t = best_of(o.repeat, [&] { st = compressor_forward(args, opt); }, o.decode_cold);
     if (!st.ok()) throw std::runtime_error(st.message);
     return t;
   };
@@ -163,8 +151,7 @@ DecodeResult run_decode(DecodeCase c, const BenchOptions& o) {
     try {
       Products prod(c, bf16);
       prod.run();
-      (bf16 ? res.products_bf16_s : res.products_s) =
-          best_of_maybe_cold(o.repeat, o.decode_cold, [&] { prod.run(); });
+      (bf16 ? res.products_bf16_s : res.products_s) = best_of(o.repeat, [&] { prod.run(); }, o.decode_cold);
     } catch (const dnnl::error&) {
       if (!bf16) throw;
     }

@@ -42,6 +42,13 @@ bool onednn_has_avx512() {
   return yes;
 }
 
+// oneDNN runs its AVX2 kernels (AVX2 and not AVX-512): the sgemm whose order gemm_rows.hpp reproduces.
+bool onednn_on_avx2() {
+  const unsigned isa = static_cast<unsigned>(dnnl_get_effective_cpu_isa());
+  const unsigned avx2 = static_cast<unsigned>(dnnl_cpu_isa_avx2);
+  return (isa & avx2) == avx2 && !onednn_has_avx512();
+}
+
 // KVCOMP_ROW_STABLE=0 (read once per process) turns the padding off: calls
 // of fewer than 16 rows (decode) then take oneDNN's short-call path, about
 // twice as fast at one row (docs/performance.md), and their rows no longer
@@ -112,10 +119,7 @@ bool rows_kernel_matches_sgemm() {
 // kvcomp's own kernels not capped below them (KVCOMP_ISA), and the kernel matching sgemm here.
 bool use_rows_kernel() {
   static const bool yes = [] {
-    if (!row_stable() || onednn_has_avx512() || active_isa() < Isa::avx2) return false;
-    const unsigned isa = static_cast<unsigned>(dnnl_get_effective_cpu_isa());
-    const unsigned avx2 = static_cast<unsigned>(dnnl_cpu_isa_avx2);
-    if ((isa & avx2) != avx2) return false;
+    if (!row_stable() || !onednn_on_avx2() || active_isa() < Isa::avx2) return false;
     // sgemm on one thread, as gemm_f32 calls it (with more, it may split K and sum otherwise).
     bool matches = false;
 #pragma omp parallel num_threads(1)
@@ -170,10 +174,7 @@ void gemm_rows_bf16_weights(std::int64_t n, std::int64_t half, std::int64_t K, c
 bool decode_panels_wanted() {
   static const bool yes = [] {
     const char* v = std::getenv("KVCOMP_DECODE_PANELS");
-    if (v != nullptr && v[0] == '0') return false;
-    const unsigned isa = static_cast<unsigned>(dnnl_get_effective_cpu_isa());
-    const unsigned avx2 = static_cast<unsigned>(dnnl_cpu_isa_avx2);
-    return detected_isa() >= Isa::avx2 && !onednn_has_avx512() && (isa & avx2) == avx2;
+    return (v == nullptr || v[0] != '0') && detected_isa() >= Isa::avx2 && onednn_on_avx2();
   }();
   return yes;
 }

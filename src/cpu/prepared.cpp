@@ -36,6 +36,12 @@ std::uint64_t kernels_hash() {
   return h;
 }
 
+// The decode panels' bytes that weights [C, H] of dtype io may have in an f32 blob (gemm.hpp), whether or
+// not this process writes them.
+std::size_t possible_panel_bytes(DType io, std::int64_t C, std::int64_t H) {
+  return io == DType::bf16 && C % 16 == 0 ? static_cast<std::size_t>(2 * C * H) * sizeof(std::uint16_t) : 0;
+}
+
 Status invalid(const std::string& what) { return {StatusCode::invalid_param, "[kvcomp] " + what}; }
 
 }  // namespace
@@ -50,9 +56,7 @@ bool prepared_layout(DType io, std::int64_t C, std::int64_t H, PreparedLayout* o
                               : PreparedLayout{PreparedKind::in_place, 0};
     return true;
   }
-  const std::size_t panel_bytes = io == DType::bf16 && C % 16 == 0 && decode_panels_wanted()
-                                      ? static_cast<std::size_t>(2 * C * H) * sizeof(std::uint16_t)
-                                      : 0;
+  const std::size_t panel_bytes = decode_panels_wanted() ? possible_panel_bytes(io, C, H) : 0;
   *out = {PreparedKind::f32, static_cast<std::size_t>(2 * C * padded_ld(H)) * sizeof(float) + panel_bytes,
           panel_bytes};
   return true;
@@ -110,10 +114,8 @@ Status check_prepared(const void* blob, std::size_t bytes, DType io, std::int64_
   // Decode panels are optional (KVCOMP_DECODE_PANELS=0 where the blob was written, or here): a blob
   // with or without them serves, the forward reads them only where present.
   const std::size_t rows_bytes = want.data_bytes - want.panel_bytes;
-  const std::size_t panels_possible = want.kind == PreparedKind::f32 && io == DType::bf16 && C % 16 == 0
-                                          ? static_cast<std::size_t>(2 * C * H) * sizeof(std::uint16_t)
-                                          : 0;
-  const bool panels_ok = h.panel_bytes == 0 || h.panel_bytes == panels_possible;
+  const bool panels_ok = h.panel_bytes == 0 ||
+                         (want.kind == PreparedKind::f32 && h.panel_bytes == possible_panel_bytes(io, C, H));
   if (h.kernels != kernels_hash() || h.kind != static_cast<std::uint32_t>(want.kind) || !panels_ok ||
       h.data_bytes != rows_bytes + h.panel_bytes)
     return invalid(what + "must be prepared on this machine with these product kernels (" +
