@@ -10,7 +10,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <functional>
+#include <memory>
 #include <oneapi/dnnl/dnnl.hpp>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -63,17 +66,48 @@ void evict_caches() {
   if (sum == 42) std::fputc(' ', stderr);
 }
 
-// Best wall time of `repeat` runs of f, the caches evicted before each run (not timed) when `cold`.
-template <typename F>
-double best_of(int repeat, F&& f, bool cold = false) {
-  double best = 1e300;
-  for (int i = 0; i < repeat; ++i) {
-    if (cold) evict_caches();
-    const auto t0 = Clock::now();
-    f();
-    best = std::min(best, seconds_since(t0));
-  }
+// Best wall time of each of `fs` over `repeat` rounds. Every round runs each one once, in turn, so that a
+// noisy stretch of a shared machine slows them alike and the ratios between them stay fair (timing all
+// runs of one before the next let a burst of noise land on one side of a ratio only). Before each timed
+// run: the caches evicted when `cold`; else, when `rewarm`, one untimed run of the same function, so that
+// it finds its data cached as a loop of its own calls would (the previous one read other data). An empty
+// function times as 0.
+using Timed = std::function<void()>;
+std::vector<double> best_in_rounds(int repeat, const std::vector<Timed>& fs, bool cold, bool rewarm) {
+  std::vector<double> best(fs.size(), 1e300);
+  for (int round = 0; round < repeat; ++round)
+    for (std::size_t i = 0; i < fs.size(); ++i) {
+      if (!fs[i]) continue;
+      if (cold)
+        evict_caches();
+      else if (rewarm)
+        fs[i]();
+      const auto t0 = Clock::now();
+      fs[i]();
+      best[i] = std::min(best[i], seconds_since(t0));
+    }
+  for (std::size_t i = 0; i < fs.size(); ++i)
+    if (!fs[i]) best[i] = 0;
   return best;
+}
+
+// The products alone of one kind, or none where oneDNN has no such matmul here (bf16 operands need
+// avx512_core in oneDNN 2.6: reported as n/a); fp32 products must exist.
+template <typename... A>
+std::unique_ptr<Products> products_or_none(bool bf16, const A&... a) {
+  try {
+    auto p = std::make_unique<Products>(a..., bf16);
+    p->run();  // warm-up: primitive, pages
+    return p;
+  } catch (const dnnl::error&) {
+    if (!bf16) throw;
+    return nullptr;
+  }
+}
+
+Timed run_of(const std::unique_ptr<Products>& p) {
+  if (!p) return {};
+  return [q = p.get()] { q->run(); };
 }
 
 struct Result {
@@ -85,30 +119,33 @@ struct Result {
 
 Result run_case(const Case& c, const BenchOptions& o) {
   Result res;
-  {
-    const Workload w(c);
-    res.compressed_fraction = w.compressed_fraction();
-    Options opt;
-    opt.num_threads = o.threads;
-    opt.precision = o.npu_parity ? Precision::npu_parity : Precision::precise;
-    Status st;
-    res.fwd_s = best_of(o.repeat, [&] { st = compressor_forward(w.forward(), opt); });
+  const Workload w(c);
+  res.compressed_fraction = w.compressed_fraction();
+  Options opt;
+  opt.num_threads = o.threads;
+  opt.precision = o.npu_parity ? Precision::npu_parity : Precision::precise;
+  auto check = [](const Status& st) {
     if (!st.ok()) throw std::runtime_error(st.message);
-    res.bwd_s = best_of(o.repeat, [&] { st = compressor_backward(w.backward(), opt); });
-    if (!st.ok()) throw std::runtime_error(st.message);
-    res.rss_mib = peak_rss_mib();
-  }
-  // The products alone (oneDNN, library threading), with fp32 and with bf16 operands.
-  for (bool bf16 : {false, true}) {
-    try {
-      Products fwd(c, Products::Which::forward, bf16);
-      (bf16 ? res.fwd_products_bf16_s : res.fwd_products_s) = best_of(o.repeat, [&] { fwd.run(); });
-      Products bwd(c, Products::Which::backward, bf16);
-      (bf16 ? res.bwd_products_bf16_s : res.bwd_products_s) = best_of(o.repeat, [&] { bwd.run(); });
-    } catch (const dnnl::error&) {
-      if (!bf16) throw;  // bf16 products need avx512_core (oneDNN 2.6): reported as n/a
-    }
-  }
+  };
+  const Timed fwd = [&] { check(compressor_forward(w.forward(), opt)); };
+  const Timed bwd = [&] { check(compressor_backward(w.backward(), opt)); };
+  fwd();  // warm-up: workspace, pages; the peak RSS is the operator's, before the baselines' buffers exist
+  bwd();
+  res.rss_mib = peak_rss_mib();
+  // The products alone (oneDNN, library threading), with fp32 and with bf16 operands, timed in the same
+  // rounds as the operator.
+  const auto fwd32 = products_or_none(false, c, Products::Which::forward);
+  const auto fwd16 = products_or_none(true, c, Products::Which::forward);
+  const auto bwd32 = products_or_none(false, c, Products::Which::backward);
+  const auto bwd16 = products_or_none(true, c, Products::Which::backward);
+  const std::vector<double> t = best_in_rounds(
+      o.repeat, {fwd, run_of(fwd32), run_of(fwd16), bwd, run_of(bwd32), run_of(bwd16)}, false, false);
+  res.fwd_s = t[0];
+  res.fwd_products_s = t[1];
+  res.fwd_products_bf16_s = t[2];
+  res.bwd_s = t[3];
+  res.bwd_products_s = t[4];
+  res.bwd_products_bf16_s = t[5];
   return res;
 }
 
@@ -117,46 +154,51 @@ struct DecodeResult {
 };
 
 // A decode call where no sequence closes a block, and one where every
-// sequence does (both at positions past 1024), and its one product alone.
+// sequence does (both at positions past 1024), and its one product alone,
+// timed in the same rounds.
 DecodeResult run_decode(DecodeCase c, const BenchOptions& o) {
-  DecodeResult res;
   Options opt;
   opt.num_threads = o.threads;
   const std::int64_t base = 1024 / c.p.r * c.p.r + c.p.r;  // a block start
-  // A server prepares its weights once (prepare_weights); raw: every call converts or packs them.
-  auto time_call = [&](std::int64_t start_pos, bool prepared) {
-    c.start_pos = start_pos;
-    const DecodeWorkload w(c);
-    ForwardArgs args = w.forward();
+  // One call's workload; a server prepares its weights once (prepare_weights), raw: every call converts
+  // or packs them.
+  struct Call {
+    std::unique_ptr<DecodeWorkload> w;
+    ForwardArgs args;
     std::vector<unsigned char> blob;
+  };
+  std::vector<std::unique_ptr<Call>> calls;
+  auto call = [&](std::int64_t start_pos, bool prepared) -> Timed {
+    c.start_pos = start_pos;
+    auto k = std::make_unique<Call>();
+    k->w = std::make_unique<DecodeWorkload>(c);
+    k->args = k->w->forward();
     if (prepared) {
       std::size_t bytes = 0;
-      Status s = prepared_weights_size(args.wkv, args.wgate, &bytes);
-      blob.resize(bytes);
-      if (s.ok()) s = prepare_weights(args.wkv, args.wgate, blob.data(), bytes, opt);
+      Status s = prepared_weights_size(k->args.wkv, k->args.wgate, &bytes);
+      k->blob.resize(bytes);
+      if (s.ok()) s = prepare_weights(k->args.wkv, k->args.wgate, k->blob.data(), bytes, opt);
       if (!s.ok()) throw std::runtime_error(s.message);
-      args.prepared_weights = blob.data();
-      args.prepared_weights_bytes = bytes;
+      k->args.prepared_weights = k->blob.data();
+      k->args.prepared_weights_bytes = bytes;
     }
-    Status st = compressor_forward(args, opt);  // warm-up: primitives, pages
-    const double t = best_of(o.repeat, [&] { st = compressor_forward(args, opt); }, o.decode_cold);
-    if (!st.ok()) throw std::runtime_error(st.message);
-    return t;
+    const Timed f = [&opt, a = &k->args] {
+      const Status st = compressor_forward(*a, opt);
+      if (!st.ok()) throw std::runtime_error(st.message);
+    };
+    f();  // warm-up: primitives, pages
+    calls.push_back(std::move(k));
+    return f;
   };
-  // tokens base .. base + tokens - 1: no block end
-  if (c.tokens < c.p.r) res.open_s = time_call(base, true);
-  res.close_s = time_call(base + c.p.r - c.tokens, true);  // the last token ends a block
-  res.close_raw_s = time_call(base + c.p.r - c.tokens, false);
-  for (bool bf16 : {false, true}) {
-    try {
-      Products prod(c, bf16);
-      prod.run();
-      (bf16 ? res.products_bf16_s : res.products_s) = best_of(o.repeat, [&] { prod.run(); }, o.decode_cold);
-    } catch (const dnnl::error&) {
-      if (!bf16) throw;
-    }
-  }
-  return res;
+  // tokens base .. base + tokens - 1: no block end; the last token ends a block
+  const Timed open = c.tokens < c.p.r ? call(base, true) : Timed{};
+  const Timed close = call(base + c.p.r - c.tokens, true);
+  const Timed raw = call(base + c.p.r - c.tokens, false);
+  const auto p32 = products_or_none(false, c);
+  const auto p16 = products_or_none(true, c);
+  const std::vector<double> t =
+      best_in_rounds(o.repeat, {open, close, raw, run_of(p32), run_of(p16)}, o.decode_cold, !o.decode_cold);
+  return {t[0], t[1], t[2], t[3], t[4]};
 }
 
 // "1.234" or "n/a" when the denominator was not measured.

@@ -172,7 +172,10 @@ int run(int argc, char** argv) {
   bench->add_option("--hidden", bench_o.hidden, "Hidden size H")->check(positive)->capture_default_str();
   bench->add_option("--varlen", bench_o.varlen, "Also a TH case with this many sequences (<= 1: none)")
       ->capture_default_str();
-  bench->add_option("--repeat", bench_o.repeat, "Timed runs per figure (the best is shown)")
+  bench
+      ->add_option("--repeat", bench_o.repeat,
+                   "Timed rounds; each round runs every call of a case and its products alone once, in turn "
+                   "(the best is shown)")
       ->check(CLI::Range(1, 1000))
       ->capture_default_str();
   bench->add_option("--threads", bench_o.threads, "OpenMP threads (0: the OpenMP default)")

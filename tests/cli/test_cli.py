@@ -476,6 +476,22 @@ def test_demo_and_bench_on_the_gpu():
         assert min(fwd_ms, fwd_ratio, bwd_ms, bwd_ratio, parity_ms, parity_ratio) > 0, row
 
 
+def test_bench_training_rows():
+    """`kvcomp bench` on the CPU, training cases only: a BSH and a TH row, each with positive times,
+    rates, ratios to the fp32 products alone (timed in the same rounds) and peak RSS."""
+    r = run_kvcomp("bench", "--preset", "C4Li", "--tokens", "256", "--hidden", "64", "--varlen", "4",
+                   "--decode", "0", "--repeat", "2")
+    assert r.returncode == 0, r.stderr
+    assert "best of 2" in r.stdout.splitlines()[0], r.stdout
+    rows = [line.split("|") for line in r.stdout.splitlines() if line.startswith("C4Li")]
+    assert [row[0].split()[1] for row in rows] == ["BSH", "TH/4"], r.stdout
+    for row in rows:
+        for part in (row[2], row[3]):  # forward, backward: ms, GFLOP/s, x f32p, x 16p (n/a without bf16)
+            ms, rate, f32p = map(float, part.split()[:3])
+            assert min(ms, rate, f32p) > 0, row
+        assert int(row[4]) > 0, row
+
+
 @pytest.mark.parametrize("cold", [False, True])
 def test_bench_decode_rows(cold):
     """`kvcomp bench` on the CPU, decode cases only: one row per B with positive times and ratios, and
