@@ -21,7 +21,10 @@ Per case (C4A, C4Li, C128A) and token count it times, in the same process run:
   16-bit autograd and kvcomp precise with the eager fp32 one (issue 17's end-to-end targets).
 
 Each time is the mean over ``--repeat`` runs after ``--warmup`` runs: CUDA events on cuda,
-``time.perf_counter`` after a synchronize elsewhere. Before timing a case, each variant's output is
+``time.perf_counter`` after a synchronize elsewhere. On a CPU the variants of a case are timed in
+rounds (each round runs every variant once, in turn), so that a noisy stretch of a shared machine
+slows every side of a ratio alike; on a GPU each variant's runs are timed back to back, between two
+events. Before timing a case, each variant's output is
 checked for shape and finiteness (the agreement of ``vectorised_forward`` with the independent
 per-batch small-ops implementation of the tests is checked by tests/python/test_baselines.py).
 
@@ -134,6 +137,36 @@ def time_ms(fn, device, warmup, repeat):
     return (time.perf_counter() - t0) * 1e3 / repeat
 
 
+def time_all_ms(fns, device, warmup, repeat, failed):
+    """Mean milliseconds of each fn of the dict `fns` (key -> fn). On a GPU each is timed on its own
+    (time_ms). Elsewhere, after `warmup` rounds, `repeat` timed rounds each run every fn once, in
+    turn. A fn that raises is dropped: failed(key, exception) is called and its time is None."""
+    times = dict.fromkeys(fns)
+    if device.type == "cuda":
+        for key, fn in fns.items():
+            try:
+                times[key] = time_ms(fn, device, warmup, repeat)
+            except Exception as e:  # noqa: BLE001 -- reported by the caller, not fatal
+                failed(key, e)
+        return times
+    live = dict(fns)
+    total = dict.fromkeys(fns, 0.0)
+    for i in range(warmup + repeat):
+        for key, fn in list(live.items()):
+            t0 = time.perf_counter()
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 -- reported by the caller, not fatal
+                failed(key, e)
+                del live[key]
+                continue
+            if i >= warmup:
+                total[key] += time.perf_counter() - t0
+    for key in live:
+        times[key] = total[key] * 1e3 / repeat
+    return times
+
+
 def _kvcomp_status(device):
     """(module or None, note): kvcomp.torch where it can run on `device`."""
     try:
@@ -191,14 +224,14 @@ def run_case(name, T, num_seqs, args, device, dtype, kt, notes):
     w_cat = torch.cat([wkv, wgate]).detach()
     x2 = x.detach().reshape(T, H)
     d_new = torch.randn(T, 2 * C, generator=gen, device=device).to(dtype)
-    res["products_fwd_ms"] = time_ms(lambda: x2 @ w_cat.t(), device, args.warmup, args.repeat)
+    timed = {}  # key -> fn, every variant that passed its checks, timed together at the end
+    timed["products_fwd"] = lambda: x2 @ w_cat.t()
 
     def products_bwd():
         d_new @ w_cat
         d_new.t() @ x2
 
-    res["products_bwd_ms"] = time_ms(products_bwd, device, args.warmup, args.repeat)
-    res["products_tflops"] = 3 * 2 * T * H * 2 * C / ((res["products_fwd_ms"] + res["products_bwd_ms"]) * 1e9)
+    timed["products_bwd"] = products_bwd
 
     def step_of(fwd):
         def step():
@@ -213,8 +246,7 @@ def run_case(name, T, num_seqs, args, device, dtype, kt, notes):
     _check_grads(f"{label} eager", grads)
     ref = out.detach().float()
     del out, grads
-    res["eager_ms"] = time_ms(eager, device, args.warmup, args.repeat)
-    res["eager_fp32_ms"] = None
+    timed["eager"] = eager
     if dtype != torch.float32 and not args.no_fp32_peer:
         leaves32 = [t.detach().float().requires_grad_() for t in (x, wkv, wgate, ape)]
         g32 = g.float()
@@ -226,23 +258,26 @@ def run_case(name, T, num_seqs, args, device, dtype, kt, notes):
         out32, _ = eager32()
         _check(f"{label} eager fp32", out32, out_shape)
         del out32
-        res["eager_fp32_ms"] = time_ms(eager32, device, args.warmup, args.repeat)
+        timed["eager_fp32"] = eager32
+
+    def note_failure(key, e):
+        first = (str(e).strip().splitlines() or [""])[0]
+        notes.append(f"{label}: {key} n/a ({type(e).__name__}: {first[:200]})")
 
     def measure(key, step):
-        """Checks a variant's output and gradients, compares it with eager, then times it. A failure
-        (inductor without a toolchain, a call kvcomp rejects, ...) is a note; the run goes on."""
+        """Checks a variant's output and gradients and compares it with eager; then it is timed with
+        the others. A failure (inductor without a toolchain, a call kvcomp rejects, ...) is a note;
+        the run goes on."""
         try:
             out, grads = step()
             _check(f"{label} {key}", out, out_shape)
             _check_grads(f"{label} {key}", grads)
             res[f"{key}_max_abs_diff_vs_eager"] = float((out.detach().float() - ref).abs().max())
             del out, grads
-            res[f"{key}_ms"] = time_ms(step, device, args.warmup, args.repeat)
+            timed[key] = step
         except Exception as e:  # noqa: BLE001 -- reported, not fatal
-            first = (str(e).strip().splitlines() or [""])[0]
-            notes.append(f"{label}: {key} n/a ({type(e).__name__}: {first[:200]})")
+            note_failure(key, e)
 
-    res["compiled_ms"] = None
     if args.no_compile:
         pass
     elif not hasattr(torch, "compile"):
@@ -251,7 +286,6 @@ def run_case(name, T, num_seqs, args, device, dtype, kt, notes):
         torch._dynamo.reset()  # one graph per case: never hit the recompile limit
         measure("compiled", step_of(torch.compile(vectorised_forward, backend="inductor", dynamic=False)))
 
-    res["kvcomp_ms"] = None
     if kt is not None:
         # Minimal valid paged cache (see the module docstring): nothing is read or written.
         bs = 1024
@@ -265,16 +299,28 @@ def run_case(name, T, num_seqs, args, device, dtype, kt, notes):
             )
 
         measure("kvcomp", step_of(kvcomp_fwd))
-        res["kvcomp_parity_ms"] = None
         if dtype != torch.float32:
             import kvcomp
 
-            previous = kvcomp.set_default_options(precision="npu_parity")
-            try:
-                measure("kvcomp_parity", step_of(kvcomp_fwd))
-            finally:
-                kvcomp.set_default_options(**previous)
+            def in_parity(step):
+                def run():
+                    previous = kvcomp.set_default_options(precision="npu_parity")
+                    try:
+                        return step()
+                    finally:
+                        kvcomp.set_default_options(**previous)
 
+                return run
+
+            measure("kvcomp_parity", in_parity(step_of(kvcomp_fwd)))
+
+    times = time_all_ms(timed, device, args.warmup, args.repeat, note_failure)
+    for key in ("products_fwd", "products_bwd"):
+        if times[key] is None:
+            raise RuntimeError(f"{label}: the products alone failed")
+    for key in ("products_fwd", "products_bwd", "eager", "eager_fp32", "compiled", "kvcomp", "kvcomp_parity"):
+        res[f"{key}_ms"] = times.get(key)
+    res["products_tflops"] = 3 * 2 * T * H * 2 * C / ((res["products_fwd_ms"] + res["products_bwd_ms"]) * 1e9)
     prod = res["products_fwd_ms"] + res["products_bwd_ms"]
     for k in ("eager", "compiled", "kvcomp"):
         res[f"{k}_over_products"] = None if res[f"{k}_ms"] is None else res[f"{k}_ms"] / prod
@@ -349,7 +395,7 @@ def main(argv=None):
         + f", device {env['device']} ({env['device_name']})"
         + (f", {env['threads']} threads" if "threads" in env else "")
         + f"; {args.dtype} io, H = {args.hidden}, start_pos 0, no cache rows; mean of {args.repeat} runs"
-        f" after {args.warmup} warm-up"
+        f" after {args.warmup} warm-up" + ("" if device.type == "cuda" else ", the variants of a case in rounds")
     )
     kt, note = _kvcomp_status(device)
     notes = [note] if note else []

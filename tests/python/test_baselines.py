@@ -135,3 +135,23 @@ def test_main_compiled_variant(capsys):
     assert len(rows) == 1, text
     assert _positive(rows[0][7]) and _positive(rows[0][10]), text
     assert results[0]["compiled_max_abs_diff_vs_eager"] < 0.05
+
+
+def test_cpu_variants_are_timed_in_rounds():
+    """On a CPU every round runs each variant once, in turn (warm-up rounds first); a variant that raises
+    is dropped with a note and gets no time, the others go on."""
+    calls, failures = [], []
+
+    def variant(key, fail_on=None):
+        def run():
+            calls.append(key)
+            if len(calls) == fail_on:
+                raise RuntimeError("refused")
+
+        return run
+
+    fns = {"a": variant("a"), "b": variant("b", fail_on=5), "c": variant("c")}
+    times = tb.time_all_ms(fns, torch.device("cpu"), 1, 3, lambda k, e: failures.append((k, str(e))))
+    assert calls == ["a", "b", "c", "a", "b", "c", "a", "c", "a", "c"]
+    assert failures == [("b", "refused")]
+    assert times["b"] is None and times["a"] >= 0 and times["c"] >= 0
