@@ -24,11 +24,12 @@ i64 varlen_batches(const Profile& p, i64 T, i64 wanted) {
 
 namespace {
 
-std::vector<std::uint16_t> random_bf16(std::size_t n, float scale, std::uint64_t seed) {
+// n normal values times scale, rounded to bf16 or fp16 (io).
+std::vector<std::uint16_t> random_16bit(std::size_t n, float scale, std::uint64_t seed, DType io) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> g(0.0f, 1.0f);
   std::vector<std::uint16_t> v(n);
-  for (auto& e : v) e = float_to_bf16(g(rng) * scale);
+  for (auto& e : v) e = io == DType::f16 ? float_to_fp16(g(rng) * scale) : float_to_bf16(g(rng) * scale);
   return v;
 }
 
@@ -62,10 +63,10 @@ Workload::Workload(const Case& c) : buf_(std::make_unique<Buffers>()) {
     }
   }
   const i64 rows = th ? std::min(T, T / r + B) : (T + r - 1) / r;
-  b.x = random_bf16(static_cast<std::size_t>(T * H), 1.0f, 1);
-  b.wkv = random_bf16(static_cast<std::size_t>(C * H), 0.02f, 2);
-  b.wgate = random_bf16(static_cast<std::size_t>(C * H), 0.02f, 3);
-  b.dcmp = random_bf16(static_cast<std::size_t>(rows * D), 1.0f, 4);
+  b.x = random_16bit(static_cast<std::size_t>(T * H), 1.0f, 1, c.io);
+  b.wkv = random_16bit(static_cast<std::size_t>(C * H), 0.02f, 2, c.io);
+  b.wgate = random_16bit(static_cast<std::size_t>(C * H), 0.02f, 3, c.io);
+  b.dcmp = random_16bit(static_cast<std::size_t>(rows * D), 1.0f, 4, c.io);
   b.ape.assign(static_cast<std::size_t>(r * C), 0.01f);
   i64 max_len = th ? 0 : T, compressed = th ? 0 : T / r * r;
   for (i64 i = 0; th && i < B; ++i) {
@@ -97,27 +98,27 @@ Workload::Workload(const Case& c) : buf_(std::make_unique<Buffers>()) {
     }
     return t;
   };
-  f_.x = io(b.x.data(), DType::bf16, {T, H});
+  f_.x = io(b.x.data(), c.io, {T, H});
   if (th) f_.cu_seqlens = Tensor(b.cu.data(), DType::i32, {B + 1});
-  f_.wkv = Tensor(b.wkv.data(), DType::bf16, {C, H});
-  f_.wgate = Tensor(b.wgate.data(), DType::bf16, {C, H});
+  f_.wkv = Tensor(b.wkv.data(), c.io, {C, H});
+  f_.wgate = Tensor(b.wgate.data(), c.io, {C, H});
   f_.cmp_ratio = r;
   f_.coff = c.p.coff;
   f_.state_cache = Tensor(b.cache.data(), DType::f32, {B * cols + 1, bs, 2 * C});
   f_.ape = Tensor(b.ape.data(), DType::f32, {r, C});
   f_.state_block_table = Tensor(b.table.data(), DType::i32, {B, cols});
   f_.grad_enabled = true;
-  f_.cmp_kv = io(b.cmp.data(), DType::bf16, {rows, D});
+  f_.cmp_kv = io(b.cmp.data(), c.io, {rows, D});
   f_.softmax_score = io(b.S.data(), DType::f32, {rows, cr, D});
   f_.kv = io(b.K.data(), DType::f32, {rows, cr, D});
 
   static_cast<SequenceArgs&>(g_) = static_cast<const SequenceArgs&>(f_);
-  g_.d_cmp_kv = io(b.dcmp.data(), DType::bf16, {rows, D});
+  g_.d_cmp_kv = io(b.dcmp.data(), c.io, {rows, D});
   g_.softmax_score = f_.softmax_score;
   g_.kv = f_.kv;
-  g_.d_x = io(b.dx.data(), DType::bf16, {T, H});
-  g_.d_wkv = Tensor(b.dwkv.data(), DType::bf16, {C, H});
-  g_.d_wgate = Tensor(b.dwgate.data(), DType::bf16, {C, H});
+  g_.d_x = io(b.dx.data(), c.io, {T, H});
+  g_.d_wkv = Tensor(b.dwkv.data(), c.io, {C, H});
+  g_.d_wgate = Tensor(b.dwgate.data(), c.io, {C, H});
   g_.d_ape = Tensor(b.dape.data(), DType::f32, {r, C});
 }
 
@@ -132,9 +133,9 @@ struct DecodeWorkload::Buffers {
 DecodeWorkload::DecodeWorkload(const DecodeCase& c) : buf_(std::make_unique<Buffers>()) {
   Buffers& b = *buf_;
   const i64 C = c.p.coff * c.p.D, r = c.p.r, D = c.p.D, H = c.H, B = c.batches, S = c.tokens;
-  b.x = random_bf16(static_cast<std::size_t>(B * S * H), 1.0f, 11);
-  b.wkv = random_bf16(static_cast<std::size_t>(C * H), 0.02f, 12);
-  b.wgate = random_bf16(static_cast<std::size_t>(C * H), 0.02f, 13);
+  b.x = random_16bit(static_cast<std::size_t>(B * S * H), 1.0f, 11, c.io);
+  b.wkv = random_16bit(static_cast<std::size_t>(C * H), 0.02f, 12, c.io);
+  b.wgate = random_16bit(static_cast<std::size_t>(C * H), 0.02f, 13, c.io);
   b.ape.assign(static_cast<std::size_t>(r * C), 0.01f);
   b.sp.assign(static_cast<std::size_t>(B), static_cast<std::int32_t>(c.start_pos));
   const i64 rows = compressed_rows_bsh(S, r);
@@ -157,9 +158,9 @@ DecodeWorkload::DecodeWorkload(const DecodeCase& c) : buf_(std::make_unique<Buff
     blocks = next;
   }
   b.cache.assign(static_cast<std::size_t>(blocks * bs * 2 * C), 0.0f);
-  f_.x = Tensor(b.x.data(), DType::bf16, {B, S, H});
-  f_.wkv = Tensor(b.wkv.data(), DType::bf16, {C, H});
-  f_.wgate = Tensor(b.wgate.data(), DType::bf16, {C, H});
+  f_.x = Tensor(b.x.data(), c.io, {B, S, H});
+  f_.wkv = Tensor(b.wkv.data(), c.io, {C, H});
+  f_.wgate = Tensor(b.wgate.data(), c.io, {C, H});
   f_.cmp_ratio = r;
   f_.coff = c.p.coff;
   f_.start_pos = Tensor(b.sp.data(), DType::i32, {B});
@@ -169,7 +170,7 @@ DecodeWorkload::DecodeWorkload(const DecodeCase& c) : buf_(std::make_unique<Buff
   f_.state_block_table =
       c.ring ? Tensor(b.table.data(), DType::i32, {B}) : Tensor(b.table.data(), DType::i32, {B, cols});
   f_.grad_enabled = false;
-  f_.cmp_kv = Tensor(b.cmp.data(), DType::bf16, {B, rows, D});
+  f_.cmp_kv = Tensor(b.cmp.data(), c.io, {B, rows, D});
 }
 
 DecodeWorkload::~DecodeWorkload() = default;

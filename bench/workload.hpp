@@ -22,6 +22,7 @@ const Profile* find_profile(const char* name);  // nullptr if unknown
 struct Case {
   Profile p;
   std::int64_t T, H, batches;  // batches > 1: TH varlen with that many sequences
+  DType io = DType::bf16;      // x, the weights, cmp_kv and the gradients: bf16 or f16
 
   // Forward 4*T*C*H, backward 8*T*C*H (C = coff*D), counted on all T tokens.
   double forward_flop() const { return 4.0 * static_cast<double>(T * p.coff * p.D * H); }
@@ -32,7 +33,7 @@ struct Case {
 // compressed blocks (64 sequences of 64 tokens have none at r = 128).
 std::int64_t varlen_batches(const Profile& p, std::int64_t T, std::int64_t wanted);
 
-// The tensors of one case, bf16 io, seeded: forward arguments (with the
+// The tensors of one case, in its io dtype, seeded: forward arguments (with the
 // backward's saved softmax_score / kv as outputs) and backward arguments.
 // TH sequence lengths are uniform in [0.5, 1.5] x T/batches.
 class Workload {
@@ -55,7 +56,7 @@ class Workload {
 };
 
 // A decode-sized forward: `batches` sequences of `tokens` tokens each (BSH
-// [B, tokens, H], bf16), every sequence at start_pos, no gradient; a paged
+// [B, tokens, H], io bf16 or f16), every sequence at start_pos, no gradient; a paged
 // cache (block_size 16, ids only for the blocks the call reads or writes, 0
 // elsewhere, as the upstream harnesses build them) or a ring cache (one
 // block of coff*r + tokens slots per sequence).
@@ -63,6 +64,7 @@ struct DecodeCase {
   Profile p;
   std::int64_t batches, tokens, H, start_pos;
   bool ring;
+  DType io = DType::bf16;
   double flop() const { return 4.0 * static_cast<double>(batches * tokens * p.coff * p.D * H); }
 };
 

@@ -216,7 +216,8 @@ struct Used {
   const char* bwd;
 };
 
-Used products_used(bool npu_parity) {
+Used products_used(bool npu_parity, DType io) {
+  if (io != DType::bf16) return {false, false, "f32", "f32"};  // no fp16 matmul in oneDNN 2.6: fp32 products
   const std::string k = product_kernels();
   const bool units = k.rfind("bf16 (", 0) == 0;
   const bool split = k.find("precise as hi+lo") != std::string::npos;
@@ -225,6 +226,15 @@ Used products_used(bool npu_parity) {
   if (bwd_units && npu_parity) u.bwd = "bf16";
   if (units && !npu_parity && split) u.bwd = "hi+lo";
   return u;
+}
+
+// product_kernels() describes a bf16 call; an fp16 call's products are fp32 (oneDNN 2.6 has no fp16
+// matmul), on the same few-row kernel where there is one.
+std::string products_text(DType io) {
+  const std::string k = product_kernels();
+  if (io == DType::bf16) return k;
+  const std::size_t rows = k.find("; ");
+  return "f32 (dnnl_sgemm) for fp16 io" + (rows == std::string::npos ? std::string() : k.substr(rows));
 }
 
 }  // namespace
@@ -236,16 +246,22 @@ int run_bench_cuda(const BenchOptions& o, const std::vector<bench::Case>& cases)
 int run_bench(const BenchOptions& o) {
   if (o.threads > 0) omp_set_num_threads(o.threads);
   const int threads = o.threads > 0 ? o.threads : omp_get_max_threads();
+  const DType io = o.io == "fp16" ? DType::f16 : DType::bf16;
   std::vector<Case> cases;
   for (const bench::Profile& p : bench::kProfiles) {
     if (o.preset != "all" && o.preset != p.name) continue;
     for (i64 T : o.training ? o.tokens : std::vector<i64>{}) {
-      cases.push_back({p, T, o.hidden, 1});
+      cases.push_back({p, T, o.hidden, 1, io});
       const i64 batches = bench::varlen_batches(p, T, o.varlen);
-      if (batches > 1) cases.push_back({p, T, o.hidden, batches});
+      if (batches > 1) cases.push_back({p, T, o.hidden, batches, io});
     }
   }
   if (o.device.type == DeviceType::cuda) {
+    if (io != DType::bf16) {  // the GPU bench's products and buffers are bf16 (cli/bench_cuda.cpp)
+      print_error(static_cast<int>(StatusCode::invalid_param),
+                  "[kvcomp] --io (= " + o.io + ") must be bf16 with --device cuda");
+      return kExitStatus;
+    }
 #ifdef KVCOMP_HAVE_CUDA
     return run_bench_cuda(o, cases);
 #else
@@ -257,11 +273,11 @@ int run_bench(const BenchOptions& o) {
     return kExitStatus;
 #endif
   }
-  const Used used = products_used(o.npu_parity);
-  std::printf(
-      "kvcomp %s bench: %d threads, H=%lld, bf16 io, %s mode, %s kernels, products %s, best of %d%s\n",
-      version(), threads, static_cast<long long>(o.hidden), o.npu_parity ? "npu_parity" : "precise",
-      kernel_isa(), product_kernels(), o.repeat, o.decode_cold ? ", decode cold" : "");
+  const Used used = products_used(o.npu_parity, io);
+  std::printf("kvcomp %s bench: %d threads, H=%lld, %s io, %s mode, %s kernels, products %s, best of %d%s\n",
+              version(), threads, static_cast<long long>(o.hidden), o.io.c_str(),
+              o.npu_parity ? "npu_parity" : "precise", kernel_isa(), products_text(io).c_str(), o.repeat,
+              o.decode_cold ? ", decode cold" : "");
   int i = 0;
   if (!cases.empty())
     std::printf("%-6s %-8s %6s %5s | %-10s | %8s %7s %6s %6s | %8s %7s %6s %6s | %7s\n", "prof", "layout",
@@ -288,7 +304,7 @@ int run_bench(const BenchOptions& o) {
   for (const bench::Profile& p : bench::kProfiles) {
     if (o.preset != "all" && o.preset != p.name) continue;
     for (i64 b : o.decode)
-      if (b > 0) decode.push_back({p, b, o.decode_tokens, o.hidden, 0, o.decode_cache == "ring"});
+      if (b > 0) decode.push_back({p, b, o.decode_tokens, o.hidden, 0, o.decode_cache == "ring", io});
   }
   if (!decode.empty())
     std::printf("\n%-6s %4s %3s %-5s | %-8s | %9s %9s %6s %8s | %8s %8s | %6s %7s\n", "decode", "B", "tok",

@@ -54,6 +54,7 @@ struct BenchOptions {
   std::int64_t varlen = 64;  // also a TH case with this many sequences (<= 1: BSH only)
   int repeat = 3;
   int threads = 0;
+  std::string io = "bf16";                          // bf16 or fp16
   bool npu_parity = false;                          // the backward's precision mode (precise by default)
   bool training = true;                             // the T-token forward + backward cases
   std::vector<std::int64_t> decode{1, 8, 64, 256};  // decode cases: batch sizes (none: empty)

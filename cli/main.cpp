@@ -178,6 +178,11 @@ int run(int argc, char** argv) {
                    "(the best is shown)")
       ->check(CLI::Range(1, 1000))
       ->capture_default_str();
+  bench
+      ->add_option("--io", bench_o.io,
+                   "The operator's 16-bit dtype (x, weights, cmp_kv, gradients): bf16 or fp16 (the CPU only)")
+      ->check(CLI::IsMember({"bf16", "fp16"}))
+      ->capture_default_str();
   bench->add_option("--threads", bench_o.threads, "OpenMP threads (0: the OpenMP default)")
       ->check(CLI::Range(0, 4096))
       ->capture_default_str();

@@ -101,10 +101,11 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
   const void* b_kv = args.wkv.data;
   const void* b_gate = args.wgate.data;
   const float* wcat = buf.wcat;
-  // A decode call of at most 8 rows without prepared weights, on AVX2: its fp32 products read the bf16
+  // A decode call of at most 8 rows without prepared weights, on AVX2: its fp32 products read the 16-bit
   // weights where they lie (gemm.hpp), with the bits of the converted copy, and skip converting them.
-  const bool bf16_in_place =
-      !buf.bf16 && !prepared.kv && d.io == DType::bf16 && gemm_rows_bf16_applicable(d.T, C);
+  const bool fp16 = d.io == DType::f16;
+  const bool half_in_place =
+      !buf.bf16 && !prepared.kv && (d.io == DType::bf16 || fp16) && gemm_rows_16bit_applicable(d.T, C, fp16);
   if (buf.bf16) {
     const Bf16Shape shape = buf.bf16_shape(d);
     if (prepared.kv) {  // packed
@@ -120,7 +121,7 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
     }
   } else if (prepared.kv) {  // wkv rows then wgate rows: one fp32 matrix
     wcat = static_cast<const float*>(prepared.kv);
-  } else if (!bf16_in_place) {
+  } else if (!half_in_place) {
     rows_to_f32(args.wkv.data, d.io, C, H, buf.wcat, buf.ld_h, num_threads);
     rows_to_f32(args.wgate.data, d.io, C, H, buf.wcat + C * buf.ld_h, buf.ld_h, num_threads);
   }
@@ -177,10 +178,10 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
       rows_to_f32(x_rows, d.io, n, H, buf.xf, buf.ld_h, num_threads);
       if (prepared.kv_panels && gemm_row_panels_applicable(n, C)) {  // one token: the decode panels
         gemm_row_panels(C, H, buf.xf, prepared.kv_panels, prepared.gate_panels, rows, num_threads);
-      } else if (bf16_in_place) {  // [new_kv | new_score] = x . [wkv ; wgate]^T, the weights as they lie
-        gemm_rows_bf16_weights(n, C, H, buf.xf, buf.ld_h, static_cast<const std::uint16_t*>(args.wkv.data),
-                               static_cast<const std::uint16_t*>(args.wgate.data), rows, buf.ld_c2,
-                               num_threads);
+      } else if (half_in_place) {  // [new_kv | new_score] = x . [wkv ; wgate]^T, the weights as they lie
+        gemm_rows_16bit_weights(n, C, H, buf.xf, buf.ld_h, static_cast<const std::uint16_t*>(args.wkv.data),
+                                static_cast<const std::uint16_t*>(args.wgate.data), fp16, rows, buf.ld_c2,
+                                num_threads);
       } else {
         // Zero rows up to the padded M, so each token's projection is computed
         // alike whatever the chunk's row count (gemm.hpp, row stability).

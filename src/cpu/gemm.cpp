@@ -114,6 +114,43 @@ bool rows_kernel_matches_sgemm() {
   return true;
 }
 
+// Compares gemm_rows_avx2_f16 with sgemm on the widened fp16 B, bit for bit, as rows_kernel_matches_sgemm
+// does for the other variants; B's values span fp16's range, subnormals and zeros included.
+bool f16_rows_kernel_matches_sgemm() {
+  constexpr std::int64_t rows = 12, n = 32, k_max = 4096, ld = k_max + 5;
+  const std::size_t floats =
+      static_cast<std::size_t>((rows + n) * ld + (rows + kRowsKernelMax) * n + (n * ld + 1) / 2);
+  const std::unique_ptr<float, decltype(&std::free)> mem(
+      static_cast<float*>(std::malloc(floats * sizeof(float))), &std::free);
+  if (!mem) return false;
+  float* const a = mem.get();
+  float* const b = a + rows * ld;
+  float* const ref = b + n * ld;
+  float* const out = ref + rows * n;
+  auto* const b16 = reinterpret_cast<std::uint16_t*>(out + kRowsKernelMax * n);
+  std::uint32_t state = 0x7f4a7c15u;
+  auto next = [&state] {
+    state = state * 1664525u + 1013904223u;
+    return static_cast<float>(static_cast<std::int32_t>(state >> 8) - (1 << 23));
+  };
+  for (std::int64_t i = 0; i < rows * ld; ++i) a[i] = next() / static_cast<float>(1u << (state & 15u));
+  for (std::int64_t i = 0; i < n * ld; ++i) {
+    const float v = next() * 0x1p-10f;  // |v| < 8192
+    b16[i] = float_to_fp16(v / static_cast<float>(1u << (state & 31u)));
+    b[i] = fp16_to_float(b16[i]);
+  }
+  for (const std::int64_t k : {std::int64_t{3}, std::int64_t{256}, std::int64_t{300}, std::int64_t{511},
+                               std::int64_t{1003}, std::int64_t{1539}, k_max}) {
+    if (dnnl_sgemm('N', 'T', rows, n, k, 1.0f, a, ld, b, ld, 0.0f, ref, n) != dnnl_success) return false;
+    for (std::int64_t m = 1; m <= kRowsKernelMax; ++m) {
+      gemm_rows_avx2_f16(m, n, k, a + (rows - m) * ld, ld, b16, ld, out, n);
+      if (std::memcmp(out, ref + (rows - m) * n, static_cast<std::size_t>(m * n) * sizeof(float)) != 0)
+        return false;
+    }
+  }
+  return true;
+}
+
 // Whether gemm_f32 runs calls of at most kRowsKernelMax live rows on gemm_rows_avx2 (decided once per
 // process): row stability on, oneDNN on its AVX2 kernels (no AVX-512), the CPU with AVX2 and FMA and
 // kvcomp's own kernels not capped below them (KVCOMP_ISA), and the kernel matching sgemm here.
@@ -132,14 +169,31 @@ bool use_rows_kernel() {
   return yes;
 }
 
+// Whether fp16 weights are read in place by gemm_rows_avx2_f16: the rows kernel in use, the CPU with F16C,
+// and the fp16 variant matching sgemm here (checked once per process, as use_rows_kernel).
+bool use_f16_rows_kernel() {
+  static const bool yes = [] {
+    if (!use_rows_kernel() || !__builtin_cpu_supports("f16c")) return false;
+    bool matches = false;
+#pragma omp parallel num_threads(1)
+    {
+      omp_set_num_threads(1);
+      matches = f16_rows_kernel_matches_sgemm();
+    }
+    return matches;
+  }();
+  return yes;
+}
+
 }  // namespace
 
 bool gemm_row_stable() { return row_stable(); }
 
 bool gemm_rows_kernel_active() { return use_rows_kernel(); }
 
-bool gemm_rows_bf16_applicable(std::int64_t n, std::int64_t half) {
-  return n >= 1 && n <= kRowsKernelMax && half > 0 && half % 16 == 0 && use_rows_kernel();
+bool gemm_rows_16bit_applicable(std::int64_t n, std::int64_t half, bool fp16) {
+  return n >= 1 && n <= kRowsKernelMax && half > 0 && half % 16 == 0 && use_rows_kernel() &&
+         (!fp16 || use_f16_rows_kernel());
 }
 
 namespace {
@@ -162,12 +216,13 @@ void deal_weight_tiles(std::int64_t half, std::int64_t width, int num_threads, F
 
 }  // namespace
 
-void gemm_rows_bf16_weights(std::int64_t n, std::int64_t half, std::int64_t K, const float* a,
-                            std::int64_t lda, const std::uint16_t* wkv, const std::uint16_t* wgate, float* c,
-                            std::int64_t ldc, int num_threads) {
+void gemm_rows_16bit_weights(std::int64_t n, std::int64_t half, std::int64_t K, const float* a,
+                             std::int64_t lda, const std::uint16_t* wkv, const std::uint16_t* wgate,
+                             bool fp16, float* c, std::int64_t ldc, int num_threads) {
+  const auto kernel = fp16 ? &gemm_rows_avx2_f16 : &gemm_rows_avx2_bf16;
   // The column tiles of gemm_f32.
   deal_weight_tiles(half, kTileN, num_threads, [&](bool gate, std::int64_t n0, std::int64_t nt) {
-    gemm_rows_avx2_bf16(n, nt, K, a, lda, (gate ? wgate : wkv) + n0 * K, K, c + (gate ? half : 0) + n0, ldc);
+    kernel(n, nt, K, a, lda, (gate ? wgate : wkv) + n0 * K, K, c + (gate ? half : 0) + n0, ldc);
   });
 }
 

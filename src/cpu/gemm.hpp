@@ -63,15 +63,16 @@ bool gemm_f32(std::int64_t M, std::int64_t N, std::int64_t K, GemmOperand a, Gem
 // once per process (the first call checks the kernel against sgemm).
 bool gemm_rows_kernel_active();
 
-// The forward projection of a decode-sized call with its bf16 weights read where they lie, not
-// converted to fp32 first: C[n, 2 * half] = A[n, K] . [wkv ; wgate]^T, wkv and wgate [half, K] bf16
-// with row stride K. Each cell gets the bits gemm_f32 gives it from the weights widened to fp32 (the
-// same kernel order; widening is exact). Only where gemm_rows_bf16_applicable(n, half): the AVX2
-// kernel active, 1 <= n <= 8 and half a multiple of 16 (whole 16-column groups in every tile).
-bool gemm_rows_bf16_applicable(std::int64_t n, std::int64_t half);
-void gemm_rows_bf16_weights(std::int64_t n, std::int64_t half, std::int64_t K, const float* a,
-                            std::int64_t lda, const std::uint16_t* wkv, const std::uint16_t* wgate, float* c,
-                            std::int64_t ldc, int num_threads);
+// The forward projection of a decode-sized call with its 16-bit weights (bf16, or fp16 when `fp16`) read
+// where they lie, not converted to fp32 first: C[n, 2 * half] = A[n, K] . [wkv ; wgate]^T, wkv and wgate
+// [half, K] with row stride K. Each cell gets the bits gemm_f32 gives it from the weights widened to fp32
+// (the same kernel order; widening is exact). Only where gemm_rows_16bit_applicable(n, half, fp16): the
+// AVX2 kernel active, 1 <= n <= 8 and half a multiple of 16 (whole 16-column groups in every tile); for
+// fp16 also F16C and its own once-per-process check against sgemm.
+bool gemm_rows_16bit_applicable(std::int64_t n, std::int64_t half, bool fp16);
+void gemm_rows_16bit_weights(std::int64_t n, std::int64_t half, std::int64_t K, const float* a,
+                             std::int64_t lda, const std::uint16_t* wkv, const std::uint16_t* wgate,
+                             bool fp16, float* c, std::int64_t ldc, int num_threads);
 
 // Decode panels (gemm_rows.hpp): bf16 weights stored a second time, for one-token forward calls, which
 // then read half the bytes of the fp32 copy, with the same bits.

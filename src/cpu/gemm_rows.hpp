@@ -51,6 +51,9 @@ void gemm_rows_avx2(std::int64_t m, std::int64_t n, std::int64_t k, const float*
 // widened B), so a decode call need not convert its bf16 weights to fp32 first. n a multiple of 8.
 void gemm_rows_avx2_bf16(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,
                          const std::uint16_t* b, std::int64_t ldb, float* c, std::int64_t ldc);
+// The same with B in fp16, widened as it is read by F16C (exact). AVX2 + FMA + F16C.
+void gemm_rows_avx2_f16(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,
+                        const std::uint16_t* b, std::int64_t ldb, float* c, std::int64_t ldc);
 
 // Decode panels: a bf16 matrix B [n, k] (n a multiple of 16) stored for one-row products, so that a
 // token's projection reads the weights once, in order, at half the bytes of the fp32 copy (a one-row

@@ -1,5 +1,5 @@
-// The AVX2 kernels for products of 1-8 rows (gemm_rows.hpp), B in fp32 or bf16. Compiled with -mavx2
-// -mfma; called only after the CPU was found to have both.
+// The AVX2 kernels for products of 1-8 rows (gemm_rows.hpp), B in fp32, bf16 or fp16. Compiled with
+// -mavx2 -mfma -mf16c; called only after the CPU was found to have AVX2 and FMA (and F16C for fp16 B).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -51,9 +51,31 @@ inline void load_columns8_bf16(const std::uint16_t* b, std::int64_t ldb, __m256 
   transpose_halves(hi, v + 4);
 }
 
-// As k_block below, from bf16 rows: one 8-column group (G = 1), 8 k per step (8 rows streaming: with
+// The same from fp16 rows (F16C's widening is exact): the low and the high 64 bits of rows r and r + 4
+// side by side, then widened, give the same two registers per r.
+inline void load_columns8_f16(const std::uint16_t* b, std::int64_t ldb, __m256 v[8]) {
+  __m256 lo[4], hi[4];
+  for (int r = 0; r < 4; ++r) {
+    const __m128i x0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + r * ldb));
+    const __m128i x4 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (r + 4) * ldb));
+    lo[r] = _mm256_cvtph_ps(_mm_unpacklo_epi64(x0, x4));
+    hi[r] = _mm256_cvtph_ps(_mm_unpackhi_epi64(x0, x4));
+  }
+  transpose_halves(lo, v);
+  transpose_halves(hi, v + 4);
+}
+
+// The 16-bit formats of B besides fp32.
+enum class Half { bf16, f16 };
+
+template <Half kHalf>
+inline float half_to_float(std::uint16_t h) {
+  return kHalf == Half::bf16 ? bf16_to_float(h) : fp16_to_float(h);
+}
+
+// As k_block below, from 16-bit rows: one 8-column group (G = 1), 8 k per step (8 rows streaming: with
 // rows 2^n bytes apart, 16 would alias in one L1 set).
-template <int M, int G>
+template <int M, int G, Half kHalf>
 inline void k_block(const float* a, std::int64_t lda, const std::uint16_t* b, std::int64_t ldb,
                     std::int64_t k0, std::int64_t k1, __m256 (&acc_g)[G][M]) {
   static_assert(G == 1);
@@ -65,7 +87,10 @@ inline void k_block(const float* a, std::int64_t lda, const std::uint16_t* b, st
       for (int r = 0; r < 8; ++r)
         _mm_prefetch(reinterpret_cast<const char*>(b + r * ldb + k + 128), _MM_HINT_T0);
     __m256 v[8];
-    load_columns8_bf16(b + k, ldb, v);
+    if constexpr (kHalf == Half::bf16)
+      load_columns8_bf16(b + k, ldb, v);
+    else
+      load_columns8_f16(b + k, ldb, v);
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j)
 #pragma GCC unroll 8
@@ -74,17 +99,17 @@ inline void k_block(const float* a, std::int64_t lda, const std::uint16_t* b, st
   }
   for (; k < k1; ++k) {
     const std::uint16_t* p = b + k;
-    const __m256 v =
-        _mm256_setr_ps(bf16_to_float(p[0]), bf16_to_float(p[ldb]), bf16_to_float(p[2 * ldb]),
-                       bf16_to_float(p[3 * ldb]), bf16_to_float(p[4 * ldb]), bf16_to_float(p[5 * ldb]),
-                       bf16_to_float(p[6 * ldb]), bf16_to_float(p[7 * ldb]));
+    const __m256 v = _mm256_setr_ps(half_to_float<kHalf>(p[0]), half_to_float<kHalf>(p[ldb]),
+                                    half_to_float<kHalf>(p[2 * ldb]), half_to_float<kHalf>(p[3 * ldb]),
+                                    half_to_float<kHalf>(p[4 * ldb]), half_to_float<kHalf>(p[5 * ldb]),
+                                    half_to_float<kHalf>(p[6 * ldb]), half_to_float<kHalf>(p[7 * ldb]));
     for (int m = 0; m < M; ++m) acc[m] = _mm256_fmadd_ps(_mm256_broadcast_ss(a + m * lda + k), v, acc[m]);
   }
 }
 
 // acc[g][m] = the fma chain over k in [k0, k1) of A[m, k] * B[n0 + 8g + lane, k], from zero. One
 // chain per output element, in k order: the order sgemm's kernels sum a K block in.
-template <int M, int G>
+template <int M, int G, Half>
 inline void k_block(const float* a, std::int64_t lda, const float* b, std::int64_t ldb, std::int64_t k0,
                     std::int64_t k1, __m256 (&acc)[G][M]) {
   for (int g = 0; g < G; ++g)
@@ -116,8 +141,8 @@ inline void k_block(const float* a, std::int64_t lda, const float* b, std::int64
 }
 
 // M rows, 8G columns at a time (fp32 B: two 8-column groups, 16 rows of B streaming, measured fastest up
-// to 4 rows; one group beyond, for the registers; bf16 B: one group).
-template <int M, class T>
+// to 4 rows; one group beyond, for the registers; 16-bit B: one group). kHalf: the format of a 16-bit B.
+template <int M, class T, Half kHalf>
 void rows_kernel(std::int64_t n, std::int64_t k, const float* a, std::int64_t lda, const T* b,
                  std::int64_t ldb, float* c, std::int64_t ldc) {
   constexpr int G = std::is_same_v<T, float> && M <= 4 ? 2 : 1;
@@ -125,7 +150,7 @@ void rows_kernel(std::int64_t n, std::int64_t k, const float* a, std::int64_t ld
   for (std::int64_t n0 = 0; n0 < n; n0 += 8 * G) {
     for (int blk = 0; blk < blocks.count; ++blk) {
       __m256 acc[G][M];
-      k_block<M, G>(a, lda, b + n0 * ldb, ldb, blocks.begin(blk), blocks.end(blk), acc);
+      k_block<M, G, kHalf>(a, lda, b + n0 * ldb, ldb, blocks.begin(blk), blocks.end(blk), acc);
       for (int g = 0; g < G; ++g)
         for (int m = 0; m < M; ++m) {
           float* cp = c + m * ldc + n0 + 8 * g;
@@ -136,13 +161,13 @@ void rows_kernel(std::int64_t n, std::int64_t k, const float* a, std::int64_t ld
   }
 }
 
-// rows_kernel<m, T> for a run-time m in [1, kRowsKernelMax].
-template <class T, std::size_t... I>
+// rows_kernel<m, T, kHalf> for a run-time m in [1, kRowsKernelMax].
+template <class T, Half kHalf, std::size_t... I>
 void rows_dispatch(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,
                    const T* b, std::int64_t ldb, float* c, std::int64_t ldc, std::index_sequence<I...>) {
   using Fn = void (*)(std::int64_t, std::int64_t, const float*, std::int64_t, const T*, std::int64_t, float*,
                       std::int64_t);
-  static constexpr Fn kernels[] = {&rows_kernel<static_cast<int>(I) + 1, T>...};
+  static constexpr Fn kernels[] = {&rows_kernel<static_cast<int>(I) + 1, T, kHalf>...};
   kernels[std::clamp<std::int64_t>(m, 1, sizeof...(I)) - 1](n, k, a, lda, b, ldb, c, ldc);
 }
 
@@ -253,12 +278,20 @@ void gemm_row_avx2_panels(std::int64_t n, std::int64_t k, const float* a, const 
 
 void gemm_rows_avx2(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,
                     const float* b, std::int64_t ldb, float* c, std::int64_t ldc) {
-  rows_dispatch(m, n, k, a, lda, b, ldb, c, ldc, std::make_index_sequence<kRowsKernelMax>{});
+  rows_dispatch<float, Half::bf16>(m, n, k, a, lda, b, ldb, c, ldc,
+                                   std::make_index_sequence<kRowsKernelMax>{});
 }
 
 void gemm_rows_avx2_bf16(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,
                          const std::uint16_t* b, std::int64_t ldb, float* c, std::int64_t ldc) {
-  rows_dispatch(m, n, k, a, lda, b, ldb, c, ldc, std::make_index_sequence<kRowsKernelMax>{});
+  rows_dispatch<std::uint16_t, Half::bf16>(m, n, k, a, lda, b, ldb, c, ldc,
+                                           std::make_index_sequence<kRowsKernelMax>{});
+}
+
+void gemm_rows_avx2_f16(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,
+                        const std::uint16_t* b, std::int64_t ldb, float* c, std::int64_t ldc) {
+  rows_dispatch<std::uint16_t, Half::f16>(m, n, k, a, lda, b, ldb, c, ldc,
+                                          std::make_index_sequence<kRowsKernelMax>{});
 }
 
 }  // namespace kvcomp::detail

@@ -508,6 +508,23 @@ def test_bench_decode_rows(cold):
         assert min(open_ms, close_ms, raw_ms, f32p_ms) > 0, row
 
 
+def test_bench_fp16_io():
+    """`kvcomp bench --io fp16`: the header names the io and the fp32 products an fp16 call runs on, every
+    row has positive times; the GPU bench is bf16 only and says so."""
+    r = run_kvcomp("bench", "--io", "fp16", "--preset", "C4Li", "--tokens", "256", "--hidden", "64", "--varlen",
+                   "1", "--decode", "1", "8", "--repeat", "1")
+    assert r.returncode == 0, r.stderr
+    head = r.stdout.splitlines()[0]
+    assert "fp16 io" in head and "products f32 (dnnl_sgemm) for fp16 io" in head, head
+    rows = [line.split("|") for line in r.stdout.splitlines() if line.startswith("C4Li")]
+    assert len(rows) == 3, r.stdout  # BSH, decode B = 1 and 8
+    assert min(float(rows[0][2].split()[0]), float(rows[0][3].split()[0])) > 0, rows[0]
+    for row in rows[1:]:
+        assert min(map(float, row[2].split()[:2])) > 0, row
+    r = run_kvcomp("bench", "--io", "fp16", "--device", "cuda", "--tokens", "256", "--hidden", "64")
+    assert r.returncode == 1 and "--io (= fp16) must be bf16 with --device cuda" in r.stderr, r.stderr
+
+
 def test_bench_on_a_missing_device():
     r = run_kvcomp("bench", "--device", "cuda:99", "--tokens", "256", "--hidden", "64", "--preset", "C4Li")
     assert r.returncode == 1 and "--device (= cuda:99) must be" in r.stderr, r.stderr

@@ -213,5 +213,30 @@ TEST(PreparedDecode, OneTokenCallsReadTheDecodePanels) {
   }
 }
 
+// Decode calls of 1-8 tokens without prepared weights read 16-bit weights where they lie (bf16, and fp16
+// on CPUs with F16C, where the AVX2 rows kernel runs: gemm.hpp): the oracle's results, bitwise those of
+// the same call with prepared weights (fp32 rows or decode panels, converted once by prepare_weights).
+TEST(PreparedDecode, RawSixteenBitWeightsGiveThePreparedBits) {
+  for (const DType io : {DType::bf16, DType::f16})
+    for (const std::int64_t B : {1, 3, 8})
+      for (const auto& [D, coff] : {std::pair<std::int64_t, std::int64_t>{16, 2}, {80, 1}}) {
+        SweepCase c =
+            decode_case(B, 1003, D, coff, std::vector<std::int32_t>(static_cast<std::size_t>(B), 3));
+        c.io = io;
+        check_forward(c, [](ForwardRun& r, const Options& o) { return r.run(o); });
+        auto rc = make_random_case(c.options(), c.forward_seed);
+        round_io_inputs(rc.in, c.io);
+        ForwardRun plain(rc.problem, rc.in, c.io), prepared(rc.problem, rc.in, c.io);
+        std::vector<unsigned char> blob;
+        prepare(prepared, blob);
+        ASSERT_TRUE(plain.run().ok());
+        const Status s = prepared.run();
+        ASSERT_TRUE(s.ok()) << s.message;
+        EXPECT_TRUE(same_bits(plain.cmp_kv, prepared.cmp_kv))
+            << (io == DType::f16 ? "fp16" : "bf16") << ", B = " << B << ", D = " << D;
+        EXPECT_TRUE(same_bits(plain.cache, prepared.cache));
+      }
+}
+
 }  // namespace
 }  // namespace kvcomp::test

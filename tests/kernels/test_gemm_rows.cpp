@@ -88,25 +88,29 @@ TEST(GemmRows, EveryRowEqualsItsRowInALongSgemmCall) {
   }
 }
 
-// Random operands of the bf16 tests: the rows of A (k values each, row stride lda) normal, row i scaled by
-// 1 + i % scales, so that sums cancel at different magnitudes; B normal, rounded to bf16 (b16) and widened
-// back (b).
+// Random operands of the 16-bit tests: the rows of A (k values each, row stride lda) normal, row i scaled
+// by 1 + i % scales, so that sums cancel at different magnitudes; B normal, rounded to bf16 (or to fp16,
+// every 7th value scaled by 2^-18 so that fp16's subnormals occur) into b16 and widened back (b).
 void fill_operands(std::mt19937& rng, i64 k, i64 lda, int scales, std::vector<float>& a,
-                   std::vector<std::uint16_t>& b16, std::vector<float>& b) {
+                   std::vector<std::uint16_t>& b16, std::vector<float>& b, bool fp16 = false) {
   std::normal_distribution<float> normal;
   for (std::size_t i = 0; i < a.size() / static_cast<std::size_t>(lda); ++i)
     for (i64 j = 0; j < k; ++j) a[i * lda + j] = normal(rng) * static_cast<float>(1 + i % scales);
   for (std::size_t i = 0; i < b16.size(); ++i) {
-    b16[i] = float_to_bf16(normal(rng));
-    b[i] = bf16_to_float(b16[i]);
+    if (fp16) {
+      b16[i] = float_to_fp16(normal(rng) * (i % 7 == 0 ? 0x1p-18f : 1.0f));
+      b[i] = fp16_to_float(b16[i]);
+    } else {
+      b16[i] = float_to_bf16(normal(rng));
+      b[i] = bf16_to_float(b16[i]);
+    }
   }
 }
 
-// The bf16 variant (weights read where they lie, widened as read): against the same long sgemm call
-// on the widened weights, including rows of exactly K bf16 (a caller's tensor).
-TEST(GemmRows, Bf16WeightsGiveTheBitsOfTheWidenedOnes) {
-  SKIP_WITHOUT_AVX2();
-  std::mt19937 rng(9);
+// A 16-bit variant (weights read where they lie, widened as read): against the same long sgemm call on
+// the widened weights, including rows of exactly K values (a caller's tensor).
+void check_16bit_weights(bool fp16) {
+  std::mt19937 rng(fp16 ? 10 : 9);
   constexpr i64 long_rows = 192;
   for (const i64 k : {1, 5, 8, 9, 255, 257, 300, 513, 1003, 4096, 4103}) {
     for (const i64 n : {16, 48, 256}) {
@@ -114,13 +118,14 @@ TEST(GemmRows, Bf16WeightsGiveTheBitsOfTheWidenedOnes) {
         const i64 lda = k + 3, ldc = n + 8;
         std::vector<float> a(long_rows * lda), b(n * ldb), ref(long_rows * ldc), out(kRowsKernelMax * ldc);
         std::vector<std::uint16_t> b16(n * ldb);
-        fill_operands(rng, k, lda, 5, a, b16, b);
+        fill_operands(rng, k, lda, 5, a, b16, b, fp16);
         ASSERT_EQ(
             dnnl_sgemm('N', 'T', long_rows, n, k, 1.0f, a.data(), lda, b.data(), ldb, 0.0f, ref.data(), ldc),
             dnnl_success);
         for (i64 m = 1; m <= kRowsKernelMax; ++m)
           for (const i64 r0 : {i64{0}, i64{7}, long_rows - m}) {
-            gemm_rows_avx2_bf16(m, n, k, a.data() + r0 * lda, lda, b16.data(), ldb, out.data(), ldc);
+            (fp16 ? gemm_rows_avx2_f16 : gemm_rows_avx2_bf16)(m, n, k, a.data() + r0 * lda, lda, b16.data(),
+                                                              ldb, out.data(), ldc);
             for (i64 i = 0; i < m; ++i)
               ASSERT_EQ(std::memcmp(out.data() + i * ldc, ref.data() + (r0 + i) * ldc, n * sizeof(float)), 0)
                   << "K " << k << ", " << n << " columns, ldb " << ldb << ", rows " << r0 << ".."
@@ -129,6 +134,17 @@ TEST(GemmRows, Bf16WeightsGiveTheBitsOfTheWidenedOnes) {
       }
     }
   }
+}
+
+TEST(GemmRows, Bf16WeightsGiveTheBitsOfTheWidenedOnes) {
+  SKIP_WITHOUT_AVX2();
+  check_16bit_weights(false);
+}
+
+TEST(GemmRows, Fp16WeightsGiveTheBitsOfTheWidenedOnes) {
+  SKIP_WITHOUT_AVX2();
+  if (!__builtin_cpu_supports("f16c")) GTEST_SKIP() << "the CPU lacks F16C";
+  check_16bit_weights(true);
 }
 
 // Decode panels, laid out here from their description in gemm_rows.hpp (not by the library's writer):
