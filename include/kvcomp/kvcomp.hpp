@@ -216,8 +216,8 @@ KVCOMP_API void release_cached_workspace();
 // - It holds the layout of this process's product kernels (product_kernels()); a blob made under
 //   other kernels (another machine, KVCOMP_PRODUCTS, KVCOMP_ISA) or for other weight shapes is
 //   refused (invalid_param). Where the products read the weights in place (AVX512-BF16's gemm) it
-//   is a header only and changes nothing. On AVX2 CPUs with fp32 products a blob of bf16 weights also
-//   holds them as bf16 decode panels for one-token calls (half the bytes to read; 1.5x the blob),
+//   is a header only and changes nothing. On AVX2 CPUs with fp32 products a blob of bf16 or fp16
+//   weights also holds them as 16-bit decode panels for one-token calls (half the bytes to read; 1.5x the blob),
 //   unless KVCOMP_DECODE_PANELS=0; a blob with or without them serves either way.
 // - Host tensors only; a call on a CUDA device refuses a blob (the GPU reads the weights in place).
 // prepared_weights_size: the blob's size for these weights (bytes, header included).

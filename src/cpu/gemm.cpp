@@ -114,12 +114,13 @@ bool rows_kernel_matches_sgemm() {
   return true;
 }
 
-// Compares gemm_rows_avx2_f16 with sgemm on the widened fp16 B, bit for bit, as rows_kernel_matches_sgemm
-// does for the other variants; B's values span fp16's range, subnormals and zeros included.
+// Compares gemm_rows_avx2_f16 and fp16 decode panels with sgemm on the widened fp16 B, bit for bit, as
+// rows_kernel_matches_sgemm does for the other variants; B's values span fp16's range, subnormals and
+// zeros included.
 bool f16_rows_kernel_matches_sgemm() {
   constexpr std::int64_t rows = 12, n = 32, k_max = 4096, ld = k_max + 5;
-  const std::size_t floats =
-      static_cast<std::size_t>((rows + n) * ld + (rows + kRowsKernelMax) * n + (n * ld + 1) / 2);
+  const std::size_t floats = static_cast<std::size_t>((rows + n) * ld + (rows + kRowsKernelMax) * n +
+                                                      (n * ld + 1) / 2 + n * k_max / 2);
   const std::unique_ptr<float, decltype(&std::free)> mem(
       static_cast<float*>(std::malloc(floats * sizeof(float))), &std::free);
   if (!mem) return false;
@@ -128,6 +129,7 @@ bool f16_rows_kernel_matches_sgemm() {
   float* const ref = b + n * ld;
   float* const out = ref + rows * n;
   auto* const b16 = reinterpret_cast<std::uint16_t*>(out + kRowsKernelMax * n);
+  std::uint16_t* const panels = b16 + 2 * ((n * ld + 1) / 2);
   std::uint32_t state = 0x7f4a7c15u;
   auto next = [&state] {
     state = state * 1664525u + 1013904223u;
@@ -147,6 +149,10 @@ bool f16_rows_kernel_matches_sgemm() {
       if (std::memcmp(out, ref + (rows - m) * n, static_cast<std::size_t>(m * n) * sizeof(float)) != 0)
         return false;
     }
+    write_panels(b16, ld, n, k, panels, 1, true);
+    gemm_row_avx2_panels(n, k, a + (rows - 1) * ld, panels, out, true);
+    if (std::memcmp(out, ref + (rows - 1) * n, static_cast<std::size_t>(n) * sizeof(float)) != 0)
+      return false;
   }
   return true;
 }
@@ -226,34 +232,35 @@ void gemm_rows_16bit_weights(std::int64_t n, std::int64_t half, std::int64_t K, 
   });
 }
 
-bool decode_panels_wanted() {
+bool decode_panels_wanted(bool fp16) {
   static const bool yes = [] {
     const char* v = std::getenv("KVCOMP_DECODE_PANELS");
     return (v == nullptr || v[0] != '0') && detected_isa() >= Isa::avx2 && onednn_on_avx2();
   }();
-  return yes;
+  return yes && (!fp16 || __builtin_cpu_supports("f16c"));
 }
 
 void write_panels(const std::uint16_t* w, std::int64_t ldw, std::int64_t n, std::int64_t k,
-                  std::uint16_t* out, int num_threads) {
+                  std::uint16_t* out, int num_threads, bool fp16) {
   const std::int64_t panels = (n + kPanelWidth - 1) / kPanelWidth;
   const int threads = static_cast<int>(std::clamp<std::int64_t>(panels, 1, std::max(num_threads, 1)));
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (std::int64_t p = 0; p < panels; ++p) {
     const std::int64_t c0 = p * kPanelWidth;
-    write_panels_avx2(w + c0 * ldw, ldw, std::min(kPanelWidth, n - c0), k, out + c0 * k);
+    write_panels_avx2(w + c0 * ldw, ldw, std::min(kPanelWidth, n - c0), k, out + c0 * k, fp16);
   }
 }
 
-bool gemm_row_panels_applicable(std::int64_t n, std::int64_t half) {
-  return n == 1 && half > 0 && half % 16 == 0 && use_rows_kernel();
+bool gemm_row_panels_applicable(std::int64_t n, std::int64_t half, bool fp16) {
+  return n == 1 && half > 0 && half % 16 == 0 && use_rows_kernel() && (!fp16 || use_f16_rows_kernel());
 }
 
 void gemm_row_panels(std::int64_t half, std::int64_t K, const float* a, const std::uint16_t* kv_panels,
-                     const std::uint16_t* gate_panels, float* c, int num_threads) {
+                     const std::uint16_t* gate_panels, bool fp16, float* c, int num_threads) {
   // One panel per tile.
   deal_weight_tiles(half, kPanelWidth, num_threads, [&](bool gate, std::int64_t n0, std::int64_t nt) {
-    gemm_row_avx2_panels(nt, K, a, (gate ? gate_panels : kv_panels) + n0 * K, c + (gate ? half : 0) + n0);
+    gemm_row_avx2_panels(nt, K, a, (gate ? gate_panels : kv_panels) + n0 * K, c + (gate ? half : 0) + n0,
+                         fp16);
   });
 }
 

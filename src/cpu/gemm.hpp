@@ -74,22 +74,22 @@ void gemm_rows_16bit_weights(std::int64_t n, std::int64_t half, std::int64_t K, 
                              std::int64_t lda, const std::uint16_t* wkv, const std::uint16_t* wgate,
                              bool fp16, float* c, std::int64_t ldc, int num_threads);
 
-// Decode panels (gemm_rows.hpp): bf16 weights stored a second time, for one-token forward calls, which
+// Decode panels (gemm_rows.hpp): 16-bit weights stored a second time, for one-token forward calls, which
 // then read half the bytes of the fp32 copy, with the same bits.
-// - decode_panels_wanted: prepare_weights adds them to a blob of fp32 weights here: the CPU has AVX2 and
-//   FMA and oneDNN runs its AVX2 kernels (as gemm_rows_kernel_active wants, whatever KVCOMP_ISA says, so a
-//   blob's size does not depend on it), unless KVCOMP_DECODE_PANELS=0 (read once; the blob is then 2/3
-//   of the size).
-// - write_panels: the panels of w [n, k] (row stride ldw, n a multiple of 16) into out (n * k
-//   elements); AVX2 (called only where decode_panels_wanted or the rows kernel runs).
+// - decode_panels_wanted(fp16): prepare_weights adds them to a blob of fp32 weights of that dtype here: the
+//   CPU has AVX2 and FMA (and F16C for fp16) and oneDNN runs its AVX2 kernels (as gemm_rows_kernel_active
+//   wants, whatever KVCOMP_ISA says, so a blob's size does not depend on it), unless KVCOMP_DECODE_PANELS=0
+//   (read once; the blob is then 2/3 of the size).
+// - write_panels: the panels of w [n, k] (bf16, or fp16 when `fp16`; row stride ldw, n a multiple of 16)
+//   into out (n * k elements); AVX2 (called only where decode_panels_wanted or the rows kernel runs).
 // - gemm_row_panels_applicable / gemm_row_panels: the forward projection of a one-row call from them,
-//   C[0, 2 * half] = a . [wkv ; wgate]^T: where the AVX2 rows kernel is active, n == 1 and half a
-//   multiple of 16; each cell the bits gemm_f32 gives it.
-bool decode_panels_wanted();
+//   C[0, 2 * half] = a . [wkv ; wgate]^T: where the AVX2 rows kernel is active (for fp16 also its fp16
+//   variant), n == 1 and half a multiple of 16; each cell the bits gemm_f32 gives it.
+bool decode_panels_wanted(bool fp16 = false);
 void write_panels(const std::uint16_t* w, std::int64_t ldw, std::int64_t n, std::int64_t k,
-                  std::uint16_t* out, int num_threads = 1);
-bool gemm_row_panels_applicable(std::int64_t n, std::int64_t half);
+                  std::uint16_t* out, int num_threads = 1, bool fp16 = false);
+bool gemm_row_panels_applicable(std::int64_t n, std::int64_t half, bool fp16);
 void gemm_row_panels(std::int64_t half, std::int64_t K, const float* a, const std::uint16_t* kv_panels,
-                     const std::uint16_t* gate_panels, float* c, int num_threads);
+                     const std::uint16_t* gate_panels, bool fp16, float* c, int num_threads);
 
 }  // namespace kvcomp::detail

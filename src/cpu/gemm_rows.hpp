@@ -55,27 +55,30 @@ void gemm_rows_avx2_bf16(std::int64_t m, std::int64_t n, std::int64_t k, const f
 void gemm_rows_avx2_f16(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,
                         const std::uint16_t* b, std::int64_t ldb, float* c, std::int64_t ldc);
 
-// Decode panels: a bf16 matrix B [n, k] (n a multiple of 16) stored for one-row products, so that a
+// Decode panels: a 16-bit matrix B [n, k] (n a multiple of 16) stored for one-row products, so that a
 // token's projection reads the weights once, in order, at half the bytes of the fp32 copy (a one-row
 // product is bound by reading its weights). Panel p holds columns [64p, 64p + w), w = min(64, n - 64p),
-// K-major: its k-th row is the w values B[64p .. 64p + w, k], each 16 of them stored in the order
+// K-major: its k-th row is the w values B[64p .. 64p + w, k]. bf16: each 16 of them stored in the order
 // 0-3, 8-11, 4-7, 12-15, so that widening the low and the high halves of each 128-bit lane gives columns
-// 0-7 and 8-15 in order. Panel p starts at element 64p * k.
+// 0-7 and 8-15 in order; fp16: in order (F16C widens 8 consecutive values). Panel p starts at element
+// 64p * k.
 inline constexpr std::int64_t kPanelWidth = 64;
 // Where B[col, kk] lies in the panels of a matrix of n columns.
-inline std::int64_t panel_offset(std::int64_t col, std::int64_t kk, std::int64_t n, std::int64_t k) {
+inline std::int64_t panel_offset(std::int64_t col, std::int64_t kk, std::int64_t n, std::int64_t k,
+                                 bool fp16 = false) {
   const std::int64_t p0 = col / kPanelWidth * kPanelWidth, w = n - p0 < kPanelWidth ? n - p0 : kPanelWidth;
   const std::int64_t j = col - p0, q = j % 16;
-  const std::int64_t in16 = q < 4 ? q : q < 8 ? q + 4 : q < 12 ? q - 4 : q;
+  const std::int64_t in16 = fp16 ? q : q < 4 ? q : q < 8 ? q + 4 : q < 12 ? q - 4 : q;
   return p0 * k + kk * w + j / 16 * 16 + in16;
 }
-// Writes the panels of w [n, k] (bf16, row stride ldw, n a multiple of 16) into out (n * k elements): 16
-// columns x 8 k at a time through two 8 x 8 transposes in registers. AVX2.
+// Writes the panels of w [n, k] (bf16, or fp16 when `fp16`; row stride ldw, n a multiple of 16) into out
+// (n * k elements): 16 columns x 8 k at a time through two 8 x 8 transposes in registers. AVX2.
 void write_panels_avx2(const std::uint16_t* w, std::int64_t ldw, std::int64_t n, std::int64_t k,
-                       std::uint16_t* out);
-// c[0, n) = a[0, k) . B^T for one row, B in panels (n a multiple of 16, panels starting at column 0 of B,
-// c and a unaligned): each element the bits gemm_rows_avx2 gives it from B widened to fp32. AVX2 + FMA.
+                       std::uint16_t* out, bool fp16 = false);
+// c[0, n) = a[0, k) . B^T for one row, B in panels (bf16, or fp16 when `fp16`; n a multiple of 16, panels
+// starting at column 0 of B, c and a unaligned): each element the bits gemm_rows_avx2 gives it from B
+// widened to fp32. AVX2 + FMA (+ F16C for fp16).
 void gemm_row_avx2_panels(std::int64_t n, std::int64_t k, const float* a, const std::uint16_t* panels,
-                          float* c);
+                          float* c, bool fp16 = false);
 
 }  // namespace kvcomp::detail

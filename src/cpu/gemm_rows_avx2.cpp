@@ -173,7 +173,7 @@ void rows_dispatch(std::int64_t m, std::int64_t n, std::int64_t k, const float* 
 
 // One row against one panel of G 16-column groups (gemm_rows.hpp): acc[g] = the fma chain over k in
 // [k0, k1) of a[k] * B[8g + lane, k], from zero, in k order (k_block's order, without transposes).
-template <int G>
+template <int G, Half kHalf>
 inline void panel_k_block(const float* a, const std::uint16_t* panel, std::int64_t k0, std::int64_t k1,
                           __m256 (&acc)[2 * G]) {
   constexpr std::int64_t w = 16 * G;
@@ -189,20 +189,27 @@ inline void panel_k_block(const float* a, const std::uint16_t* panel, std::int64
     const __m256 av = _mm256_broadcast_ss(a + k);
 #pragma GCC unroll 4
     for (int g = 0; g < G; ++g) {
-      const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * g));
-      acc[2 * g] = _mm256_fmadd_ps(av, _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, y)), acc[2 * g]);
-      acc[2 * g + 1] =
-          _mm256_fmadd_ps(av, _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, y)), acc[2 * g + 1]);
+      __m256 lo, hi;  // columns 0-7 and 8-15 of the group
+      if constexpr (kHalf == Half::bf16) {
+        const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * g));
+        lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, y));
+        hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, y));
+      } else {
+        lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * g)));
+        hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * g + 8)));
+      }
+      acc[2 * g] = _mm256_fmadd_ps(av, lo, acc[2 * g]);
+      acc[2 * g + 1] = _mm256_fmadd_ps(av, hi, acc[2 * g + 1]);
     }
   }
 }
 
-template <int G>
+template <int G, Half kHalf>
 void panel_row(std::int64_t k, const float* a, const std::uint16_t* panel, float* c) {
   const KBlocks blocks = sgemm_k_blocks(k);
   for (int blk = 0; blk < blocks.count; ++blk) {
     __m256 acc[2 * G];
-    panel_k_block<G>(a, panel, blocks.begin(blk), blocks.end(blk), acc);
+    panel_k_block<G, kHalf>(a, panel, blocks.begin(blk), blocks.end(blk), acc);
     for (int g = 0; g < 2 * G; ++g)  // as rows_kernel: the first block's sum, the later ones added in order
       _mm256_storeu_ps(c + 8 * g, blk == 0 ? acc[g] : _mm256_add_ps(_mm256_loadu_ps(c + 8 * g), acc[g]));
   }
@@ -226,10 +233,32 @@ inline void transpose8x8_epi16(__m128i (&r)[8]) {
   }
 }
 
+// One row against panels of n columns, panel after panel.
+template <Half kHalf>
+void row_panels(std::int64_t n, std::int64_t k, const float* a, const std::uint16_t* panels, float* c) {
+  for (std::int64_t p0 = 0; p0 < n; p0 += kPanelWidth) {
+    const std::uint16_t* panel = panels + p0 * k;
+    switch (std::min(kPanelWidth, n - p0) / 16) {
+      case 4:
+        panel_row<4, kHalf>(k, a, panel, c + p0);
+        break;
+      case 3:
+        panel_row<3, kHalf>(k, a, panel, c + p0);
+        break;
+      case 2:
+        panel_row<2, kHalf>(k, a, panel, c + p0);
+        break;
+      default:
+        panel_row<1, kHalf>(k, a, panel, c + p0);
+        break;
+    }
+  }
+}
+
 }  // namespace
 
 void write_panels_avx2(const std::uint16_t* w, std::int64_t ldw, std::int64_t n, std::int64_t k,
-                       std::uint16_t* out) {
+                       std::uint16_t* out, bool fp16) {
   for (std::int64_t p0 = 0; p0 < n; p0 += kPanelWidth) {
     const std::int64_t wd = std::min(kPanelWidth, n - p0);
     std::uint16_t* panel = out + p0 * k;
@@ -244,36 +273,25 @@ void write_panels_avx2(const std::uint16_t* w, std::int64_t ldw, std::int64_t n,
         }
         transpose8x8_epi16(lo);
         transpose8x8_epi16(hi);
-        for (int j = 0; j < 8; ++j)  // columns 0-3, 8-11 | 4-7, 12-15 (gemm_rows.hpp)
+        for (int j = 0; j < 8; ++j)  // bf16: columns 0-3, 8-11 | 4-7, 12-15; fp16: in order (gemm_rows.hpp)
           _mm256_storeu_si256(
               reinterpret_cast<__m256i*>(panel + (kk + j) * wd + g),
-              _mm256_set_m128i(_mm_unpackhi_epi64(lo[j], hi[j]), _mm_unpacklo_epi64(lo[j], hi[j])));
+              fp16 ? _mm256_set_m128i(hi[j], lo[j])
+                   : _mm256_set_m128i(_mm_unpackhi_epi64(lo[j], hi[j]), _mm_unpacklo_epi64(lo[j], hi[j])));
       }
       for (; kk < k; ++kk)
-        for (std::int64_t j = 0; j < 16; ++j) panel[panel_offset(g + j, kk, wd, k)] = cols[j * ldw + kk];
+        for (std::int64_t j = 0; j < 16; ++j)
+          panel[panel_offset(g + j, kk, wd, k, fp16)] = cols[j * ldw + kk];
     }
   }
 }
 
 void gemm_row_avx2_panels(std::int64_t n, std::int64_t k, const float* a, const std::uint16_t* panels,
-                          float* c) {
-  for (std::int64_t p0 = 0; p0 < n; p0 += kPanelWidth) {
-    const std::uint16_t* panel = panels + p0 * k;
-    switch (std::min(kPanelWidth, n - p0) / 16) {
-      case 4:
-        panel_row<4>(k, a, panel, c + p0);
-        break;
-      case 3:
-        panel_row<3>(k, a, panel, c + p0);
-        break;
-      case 2:
-        panel_row<2>(k, a, panel, c + p0);
-        break;
-      default:
-        panel_row<1>(k, a, panel, c + p0);
-        break;
-    }
-  }
+                          float* c, bool fp16) {
+  if (fp16)
+    row_panels<Half::f16>(n, k, a, panels, c);
+  else
+    row_panels<Half::bf16>(n, k, a, panels, c);
 }
 
 void gemm_rows_avx2(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,

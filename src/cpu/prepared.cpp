@@ -39,7 +39,9 @@ std::uint64_t kernels_hash() {
 // The decode panels' bytes that weights [C, H] of dtype io may have in an f32 blob (gemm.hpp), whether or
 // not this process writes them.
 std::size_t possible_panel_bytes(DType io, std::int64_t C, std::int64_t H) {
-  return io == DType::bf16 && C % 16 == 0 ? static_cast<std::size_t>(2 * C * H) * sizeof(std::uint16_t) : 0;
+  return (io == DType::bf16 || io == DType::f16) && C % 16 == 0
+             ? static_cast<std::size_t>(2 * C * H) * sizeof(std::uint16_t)
+             : 0;
 }
 
 Status invalid(const std::string& what) { return {StatusCode::invalid_param, "[kvcomp] " + what}; }
@@ -56,7 +58,7 @@ bool prepared_layout(DType io, std::int64_t C, std::int64_t H, PreparedLayout* o
                               : PreparedLayout{PreparedKind::in_place, 0};
     return true;
   }
-  const std::size_t panel_bytes = decode_panels_wanted() ? possible_panel_bytes(io, C, H) : 0;
+  const std::size_t panel_bytes = decode_panels_wanted(io == DType::f16) ? possible_panel_bytes(io, C, H) : 0;
   *out = {PreparedKind::f32, static_cast<std::size_t>(2 * C * padded_ld(H)) * sizeof(float) + panel_bytes,
           panel_bytes};
   return true;
@@ -79,8 +81,9 @@ Status write_prepared(const Tensor& wkv, const Tensor& wgate, const PreparedLayo
     rows_to_f32(wgate.data, wgate.dtype, C, H, w + C * ld, ld, num_threads);
     if (layout.panel_bytes > 0) {
       auto* panels = reinterpret_cast<std::uint16_t*>(w + 2 * C * ld);
-      write_panels(static_cast<const std::uint16_t*>(wkv.data), H, C, H, panels, num_threads);
-      write_panels(static_cast<const std::uint16_t*>(wgate.data), H, C, H, panels + C * H, num_threads);
+      const bool fp16 = wkv.dtype == DType::f16;
+      write_panels(static_cast<const std::uint16_t*>(wkv.data), H, C, H, panels, num_threads, fp16);
+      write_panels(static_cast<const std::uint16_t*>(wgate.data), H, C, H, panels + C * H, num_threads, fp16);
     }
   }
   Header h{};

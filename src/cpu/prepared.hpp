@@ -16,8 +16,8 @@ namespace kvcomp::detail {
 enum class PreparedKind : std::uint32_t {
   in_place = 0,  // bf16 units whose kernel reads B where it lies: nothing to prepare
   packed = 1,    // bf16 units with a packed layout (AMX): wkv then wgate, packed_bytes each
-  f32 = 2,       // fp32 products: [2C, padded_ld(H)] fp32, the wkv rows then the wgate rows; for bf16
-                 // weights where decode_panels_wanted() (gemm.hpp), then wkv's and wgate's decode panels
+  f32 = 2,       // fp32 products: [2C, padded_ld(H)] fp32, the wkv rows then the wgate rows; for bf16 or
+                 // fp16 weights where decode_panels_wanted() (gemm.hpp), then wkv's and wgate's decode panels
 };
 
 // Bytes of the header in front of the prepared data (a multiple of 64, so the data keeps the
@@ -29,7 +29,7 @@ constexpr std::size_t kPreparedHeaderBytes = 64;
 struct PreparedLayout {
   PreparedKind kind = PreparedKind::in_place;
   std::size_t data_bytes = 0;   // panel_bytes included
-  std::size_t panel_bytes = 0;  // decode panels of both matrices (f32 kind, bf16 weights), or 0
+  std::size_t panel_bytes = 0;  // decode panels of both matrices (f32 kind, bf16 or fp16 weights), or 0
 };
 bool prepared_layout(DType io, std::int64_t C, std::int64_t H, PreparedLayout* out);
 

@@ -159,10 +159,10 @@ TEST_F(PreparedRules, PreparingChecksItsArguments) {
   EXPECT_EQ(prepared_weights_size(flat, flat, &bytes).code, StatusCode::invalid_param);
 }
 
-// One-token calls with bf16 weights whose C is a multiple of 16 read the blob's decode panels where it
-// has them (AVX2 CPUs whose oneDNN runs AVX2 kernels, gemm.hpp): the oracle's results, bitwise those
-// of the call without the blob; spoiling the panels changes a one-token call (so they are what it reads)
-// and leaves a two-token call alone (it reads the fp32 rows).
+// One-token calls with 16-bit weights (bf16; fp16 on CPUs with F16C) whose C is a multiple of 16 read the
+// blob's decode panels where it has them (AVX2 CPUs whose oneDNN runs AVX2 kernels, gemm.hpp): the
+// oracle's results, bitwise those of the call without the blob; spoiling the panels changes a one-token
+// call (so they are what it reads) and leaves a two-token call alone (it reads the fp32 rows).
 SweepCase decode_case(std::int64_t B, std::int64_t H, std::int64_t D, std::int64_t coff,
                       std::vector<std::int32_t> start_pos) {
   SweepCase c;
@@ -181,36 +181,41 @@ SweepCase decode_case(std::int64_t B, std::int64_t H, std::int64_t D, std::int64
 
 TEST(PreparedDecode, OneTokenCallsReadTheDecodePanels) {
   // H = 1003: four K blocks; C = 32 (one panel of 32 columns per matrix) and C = 80 (64 + 16).
-  for (const auto& [D, coff] : {std::pair<std::int64_t, std::int64_t>{16, 2}, {80, 1}}) {
-    const SweepCase one = decode_case(1, 1003, D, coff, {3}), two = decode_case(2, 1003, D, coff, {3, 6});
-    check_forward(one, [](ForwardRun& r, const Options& o) {
-      std::vector<unsigned char> blob;
-      prepare(r, blob);
-      return r.run(o);
-    });
-    bool panels = false;
-    for (const SweepCase& c : {one, two}) {
-      auto rc = make_random_case(c.options(), c.forward_seed);
-      round_io_inputs(rc.in, c.io);
-      ForwardRun plain(rc.problem, rc.in, c.io), prepared(rc.problem, rc.in, c.io);
-      std::vector<unsigned char> blob;
-      prepare(prepared, blob);
-      const auto C = static_cast<std::size_t>(rc.problem.C()), H = static_cast<std::size_t>(c.H);
-      panels = blob.size() >= 64 + 2 * C * H * 4 + 2 * C * H * 2;
-      // Spoil the panels (the blob's last 2 * C * H bf16): every weight read from them becomes 1.0.
-      if (panels)
-        for (std::size_t i = blob.size() - 2 * C * H * 2; i < blob.size(); i += 2)
-          blob[i] = 0x80, blob[i + 1] = 0x3F;
-      ASSERT_TRUE(plain.run().ok());
-      const Status s = prepared.run();
-      ASSERT_TRUE(s.ok()) << s.message;
-      // Read where the AVX2 rows kernel runs (not under KVCOMP_ISA=scalar, which ctest also runs).
-      const bool read = panels && std::string(product_kernels()).find("kvcomp avx2") != std::string::npos;
-      const bool expect_same = !read || c.B == 2;
-      EXPECT_EQ(same_bits(plain.cmp_kv, prepared.cmp_kv), expect_same) << "B = " << c.B << ", D = " << D;
+  bool any_panels = false;
+  for (const DType io : {DType::bf16, DType::f16})
+    for (const auto& [D, coff] : {std::pair<std::int64_t, std::int64_t>{16, 2}, {80, 1}}) {
+      SweepCase one = decode_case(1, 1003, D, coff, {3}), two = decode_case(2, 1003, D, coff, {3, 6});
+      one.io = two.io = io;
+      check_forward(one, [](ForwardRun& r, const Options& o) {
+        std::vector<unsigned char> blob;
+        prepare(r, blob);
+        return r.run(o);
+      });
+      for (const SweepCase& c : {one, two}) {
+        auto rc = make_random_case(c.options(), c.forward_seed);
+        round_io_inputs(rc.in, c.io);
+        ForwardRun plain(rc.problem, rc.in, c.io), prepared(rc.problem, rc.in, c.io);
+        std::vector<unsigned char> blob;
+        prepare(prepared, blob);
+        const auto C = static_cast<std::size_t>(rc.problem.C()), H = static_cast<std::size_t>(c.H);
+        const bool panels = blob.size() >= 64 + 2 * C * H * 4 + 2 * C * H * 2;
+        any_panels = any_panels || panels;
+        // Spoil the panels (the blob's last 2 * C * H 16-bit values): every weight read from them becomes
+        // 0x3F80 (1.0 in bf16, 1.875 in fp16).
+        if (panels)
+          for (std::size_t i = blob.size() - 2 * C * H * 2; i < blob.size(); i += 2)
+            blob[i] = 0x80, blob[i + 1] = 0x3F;
+        ASSERT_TRUE(plain.run().ok());
+        const Status s = prepared.run();
+        ASSERT_TRUE(s.ok()) << s.message;
+        // Read where the AVX2 rows kernel runs (not under KVCOMP_ISA=scalar, which ctest also runs).
+        const bool read = panels && std::string(product_kernels()).find("kvcomp avx2") != std::string::npos;
+        const bool expect_same = !read || c.B == 2;
+        EXPECT_EQ(same_bits(plain.cmp_kv, prepared.cmp_kv), expect_same)
+            << (io == DType::f16 ? "fp16" : "bf16") << ", B = " << c.B << ", D = " << D;
+      }
     }
-    if (!panels) GTEST_SKIP() << "this machine's prepared weights hold no decode panels (gemm.hpp)";
-  }
+  if (!any_panels) GTEST_SKIP() << "this machine's prepared weights hold no decode panels (gemm.hpp)";
 }
 
 // Decode calls of 1-8 tokens without prepared weights read 16-bit weights where they lie (bf16, and fp16

@@ -152,34 +152,35 @@ TEST(GemmRows, Fp16WeightsGiveTheBitsOfTheWidenedOnes) {
 // 12-15. One row against the same long sgemm call on the widened weights, at three row positions, for
 // every panel width (16, 48, 64, 64 + 16, 3 x 64 + 16, 4 x 64) and K of each sgemm_k_blocks branch;
 // the columns past n keep their bytes.
-std::vector<std::uint16_t> panels_of(const std::vector<std::uint16_t>& b16, i64 n, i64 k, i64 ldb) {
+std::vector<std::uint16_t> panels_of(const std::vector<std::uint16_t>& b16, i64 n, i64 k, i64 ldb,
+                                     bool fp16 = false) {
   static constexpr int kPos[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
   std::vector<std::uint16_t> out(static_cast<std::size_t>(n * k));
   for (i64 p0 = 0; p0 < n; p0 += 64) {
     const i64 w = std::min<i64>(64, n - p0);
     for (i64 kk = 0; kk < k; ++kk)
       for (i64 j = 0; j < w; ++j)
-        out[p0 * k + kk * w + j / 16 * 16 + kPos[j % 16]] = b16[(p0 + j) * ldb + kk];
+        out[p0 * k + kk * w + j / 16 * 16 + (fp16 ? j % 16 : kPos[j % 16])] = b16[(p0 + j) * ldb + kk];
   }
   return out;
 }
 
-TEST(GemmRows, DecodePanelsGiveTheBitsOfTheWidenedRows) {
-  SKIP_WITHOUT_AVX2();
-  std::mt19937 rng(13);
+// fp16 panels: the same panels, each 16 columns in order.
+void check_panels(bool fp16) {
+  std::mt19937 rng(fp16 ? 14 : 13);
   constexpr i64 long_rows = 192;
   for (const i64 k : {1, 4, 255, 256, 257, 511, 513, 1003, 4096, 4103}) {
     for (const i64 n : {16, 48, 64, 80, 208, 256}) {
       const i64 lda = k + 3, ldb = k + 5, ldc = n + 8;
       std::vector<float> a(long_rows * lda), b(n * ldb), ref(long_rows * ldc), out(ldc, -7.0f);
       std::vector<std::uint16_t> b16(n * ldb);
-      fill_operands(rng, k, lda, 3, a, b16, b);
-      const std::vector<std::uint16_t> panels = panels_of(b16, n, k, ldb);
+      fill_operands(rng, k, lda, 3, a, b16, b, fp16);
+      const std::vector<std::uint16_t> panels = panels_of(b16, n, k, ldb, fp16);
       ASSERT_EQ(
           dnnl_sgemm('N', 'T', long_rows, n, k, 1.0f, a.data(), lda, b.data(), ldb, 0.0f, ref.data(), ldc),
           dnnl_success);
       for (const i64 r0 : {i64{0}, i64{37}, long_rows - 1}) {
-        gemm_row_avx2_panels(n, k, a.data() + r0 * lda, panels.data(), out.data());
+        gemm_row_avx2_panels(n, k, a.data() + r0 * lda, panels.data(), out.data(), fp16);
         ASSERT_EQ(std::memcmp(out.data(), ref.data() + r0 * ldc, n * sizeof(float)), 0)
             << "K " << k << ", " << n << " columns, row " << r0;
         for (i64 j = n; j < ldc; ++j) ASSERT_EQ(out[j], -7.0f) << "column " << j << " written";
@@ -187,26 +188,39 @@ TEST(GemmRows, DecodePanelsGiveTheBitsOfTheWidenedRows) {
       // The library's description of the layout agrees with this one.
       for (i64 col = 0; col < n; col += 7)
         for (i64 kk = 0; kk < k; kk += 97)
-          EXPECT_EQ(panels[panel_offset(col, kk, n, k)], b16[col * ldb + kk]);
+          EXPECT_EQ(panels[panel_offset(col, kk, n, k, fp16)], b16[col * ldb + kk]);
     }
   }
 }
 
-// The library's panel writer lays the weights out as described (the layout of panels_of), for every
-// panel width and K with and without a tail of fewer than 8.
+TEST(GemmRows, DecodePanelsGiveTheBitsOfTheWidenedRows) {
+  SKIP_WITHOUT_AVX2();
+  check_panels(false);
+}
+
+TEST(GemmRows, Fp16DecodePanelsGiveTheBitsOfTheWidenedRows) {
+  SKIP_WITHOUT_AVX2();
+  if (!__builtin_cpu_supports("f16c")) GTEST_SKIP() << "the CPU lacks F16C";
+  check_panels(true);
+}
+
+// The library's panel writer lays the weights out as described (the layout of panels_of, bf16 and fp16),
+// for every panel width and K with and without a tail of fewer than 8.
 TEST(GemmRows, WritePanelsLaysOutTheDescribedPanels) {
   if (detected_isa() < Isa::avx2) GTEST_SKIP() << "the CPU lacks AVX2 + FMA";
   std::mt19937 rng(17);
   std::uniform_int_distribution<int> bits(0, 0xFFFF);
-  for (const i64 k : {1, 7, 8, 9, 300, 1003}) {
-    for (const i64 n : {16, 48, 64, 80, 208}) {
-      const i64 ldb = k + 3;
-      std::vector<std::uint16_t> b16(n * ldb), out(n * k, 0xAAAA);
-      for (auto& v : b16) v = static_cast<std::uint16_t>(bits(rng));
-      write_panels_avx2(b16.data(), ldb, n, k, out.data());
-      EXPECT_EQ(out, panels_of(b16, n, k, ldb)) << "K " << k << ", " << n << " columns";
+  for (const bool fp16 : {false, true})
+    for (const i64 k : {1, 7, 8, 9, 300, 1003}) {
+      for (const i64 n : {16, 48, 64, 80, 208}) {
+        const i64 ldb = k + 3;
+        std::vector<std::uint16_t> b16(n * ldb), out(n * k, 0xAAAA);
+        for (auto& v : b16) v = static_cast<std::uint16_t>(bits(rng));
+        write_panels_avx2(b16.data(), ldb, n, k, out.data(), fp16);
+        EXPECT_EQ(out, panels_of(b16, n, k, ldb, fp16))
+            << "K " << k << ", " << n << " columns, fp16 " << fp16;
+      }
     }
-  }
 }
 
 // The kernel writes exactly its m x n cells: the columns past n and the rows past m keep their bytes.
