@@ -179,7 +179,7 @@ bool use_rows_kernel() {
 // and the fp16 variant matching sgemm here (checked once per process, as use_rows_kernel).
 bool use_f16_rows_kernel() {
   static const bool yes = [] {
-    if (!use_rows_kernel() || !__builtin_cpu_supports("f16c")) return false;
+    if (!use_rows_kernel() || !cpu_has_f16c()) return false;
     bool matches = false;
 #pragma omp parallel num_threads(1)
     {
@@ -237,7 +237,7 @@ bool decode_panels_wanted(bool fp16) {
     const char* v = std::getenv("KVCOMP_DECODE_PANELS");
     return (v == nullptr || v[0] != '0') && detected_isa() >= Isa::avx2 && onednn_on_avx2();
   }();
-  return yes && (!fp16 || __builtin_cpu_supports("f16c"));
+  return yes && (!fp16 || cpu_has_f16c());
 }
 
 void write_panels(const std::uint16_t* w, std::int64_t ldw, std::int64_t n, std::int64_t k,

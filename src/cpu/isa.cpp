@@ -1,5 +1,7 @@
 #include "cpu/isa.hpp"
 
+#include <cpuid.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -16,6 +18,11 @@ const char* isa_name(Isa isa) {
     default:
       return "scalar";
   }
+}
+
+bool cpu_has_f16c() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid(1, &a, &b, &c, &d) != 0 && (c & bit_F16C) != 0;
 }
 
 Isa detected_isa() {

@@ -11,6 +11,9 @@ enum class Isa : int { scalar = 0, avx2 = 1, avx512 = 2 };
 const char* isa_name(Isa isa);
 // The best ISA this CPU (and OS) supports.
 Isa detected_isa();
+// Whether the CPU converts fp16 by F16C (CPUID.1:ECX bit 29; read by cpuid, since clang 14's
+// __builtin_cpu_supports does not know "f16c"). Every AVX2 CPU kvcomp targets has it.
+bool cpu_has_f16c();
 // min(detected_isa(), KVCOMP_ISA); an unknown KVCOMP_ISA value is ignored
 // with a warning on stderr.
 Isa active_isa();

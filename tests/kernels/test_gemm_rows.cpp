@@ -143,7 +143,7 @@ TEST(GemmRows, Bf16WeightsGiveTheBitsOfTheWidenedOnes) {
 
 TEST(GemmRows, Fp16WeightsGiveTheBitsOfTheWidenedOnes) {
   SKIP_WITHOUT_AVX2();
-  if (!__builtin_cpu_supports("f16c")) GTEST_SKIP() << "the CPU lacks F16C";
+  if (!cpu_has_f16c()) GTEST_SKIP() << "the CPU lacks F16C";
   check_16bit_weights(true);
 }
 
@@ -200,7 +200,7 @@ TEST(GemmRows, DecodePanelsGiveTheBitsOfTheWidenedRows) {
 
 TEST(GemmRows, Fp16DecodePanelsGiveTheBitsOfTheWidenedRows) {
   SKIP_WITHOUT_AVX2();
-  if (!__builtin_cpu_supports("f16c")) GTEST_SKIP() << "the CPU lacks F16C";
+  if (!cpu_has_f16c()) GTEST_SKIP() << "the CPU lacks F16C";
   check_panels(true);
 }
 
