@@ -510,7 +510,7 @@ def test_bench_decode_rows(cold):
 
 def test_bench_fp16_io():
     """`kvcomp bench --io fp16`: the header names the io and the fp32 products an fp16 call runs on, every
-    row has positive times; the GPU bench is bf16 only and says so."""
+    row has positive times and no bf16 baseline; the GPU bench is bf16 only and says so."""
     r = run_kvcomp("bench", "--io", "fp16", "--preset", "C4Li", "--tokens", "256", "--hidden", "64", "--varlen",
                    "1", "--decode", "1", "8", "--repeat", "1")
     assert r.returncode == 0, r.stderr
@@ -519,8 +519,11 @@ def test_bench_fp16_io():
     rows = [line.split("|") for line in r.stdout.splitlines() if line.startswith("C4Li")]
     assert len(rows) == 3, r.stdout  # BSH, decode B = 1 and 8
     assert min(float(rows[0][2].split()[0]), float(rows[0][3].split()[0])) > 0, rows[0]
+    # No 16-bit baseline: an fp16 call's products are fp32, a bf16 product is not its baseline.
+    assert rows[0][2].split()[3] == "n/a" and rows[0][3].split()[3] == "n/a", rows[0]
     for row in rows[1:]:
         assert min(map(float, row[2].split()[:2])) > 0, row
+        assert row[3].split()[0] == "n/a", row
     r = run_kvcomp("bench", "--io", "fp16", "--device", "cuda", "--tokens", "256", "--hidden", "64")
     assert r.returncode == 1 and "--io (= fp16) must be bf16 with --device cuda" in r.stderr, r.stderr
 
