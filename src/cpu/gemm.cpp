@@ -63,13 +63,14 @@ bool row_stable() {
 
 std::int64_t tile_m() { return onednn_has_avx512() || !row_stable() ? 256 : 192; }
 
-// Compares gemm_rows_avx2 (B in fp32 and bf16 rows) with sgemm bit for bit: every row count 1-8
-// against the rows of a 12-row call (two whole groups of 6: the long-call path), and one row from
-// decode panels (gemm_row_avx2_panels), over K that take each branch of sgemm_k_blocks, with leading
-// dimensions that are not multiples of 16. False at the first difference, or when the buffers cannot
-// be allocated (std::malloc: the fp32 products allocate nothing with operator new,
-// docs/robustness.md).
-bool rows_kernel_matches_sgemm() {
+// Compares gemm_rows_avx2 with sgemm bit for bit: every row count 1-8 against the rows of a 12-row call
+// (two whole groups of 6: the long-call path), and one row from decode panels (gemm_row_avx2_panels),
+// over K that take each branch of sgemm_k_blocks, with leading dimensions that are not multiples of 16.
+// fp16 false: B in fp32 and bf16 rows, bf16 panels; true: B in fp16 rows (gemm_rows_avx2_f16) and fp16
+// panels, B's values spanning fp16's range, subnormals and zeros included. False at the first difference,
+// or when the buffers cannot be allocated (std::malloc: the fp32 products allocate nothing with operator
+// new, docs/robustness.md).
+bool rows_kernel_matches_sgemm(bool fp16) {
   constexpr std::int64_t rows = 12, n = 32, k_max = 4096, ld = k_max + 5;
   const std::size_t floats = static_cast<std::size_t>((rows + n) * ld + (rows + kRowsKernelMax) * n +
                                                       (n * ld + 1) / 2 + n * k_max / 2);
@@ -82,8 +83,9 @@ bool rows_kernel_matches_sgemm() {
   float* const out = ref + rows * n;
   auto* const b16 = reinterpret_cast<std::uint16_t*>(out + kRowsKernelMax * n);
   std::uint16_t* const panels = b16 + 2 * ((n * ld + 1) / 2);
-  // Values of many magnitudes and both signs, so that the order of additions shows in the bits; B's
-  // are rounded to bf16 values, kept as bf16 too for the bf16 variant.
+  // Values of many magnitudes (2^-15 to 2^23) and both signs, so that the order of additions shows in
+  // the bits; B's are rounded to bf16 values, or scaled by 2^-10 / 2^(i % 16) and rounded to fp16, kept
+  // as 16-bit values too for the 16-bit variants.
   std::uint32_t state = 0x9e3779b9u;
   for (std::size_t i = 0; i < static_cast<std::size_t>((rows + n) * ld); ++i) {
     state = state * 1664525u + 1013904223u;
@@ -91,66 +93,26 @@ bool rows_kernel_matches_sgemm() {
            static_cast<float>(1u << (state & 15u));
   }
   for (std::size_t i = 0; i < static_cast<std::size_t>(n * ld); ++i) {
-    b16[i] = float_to_bf16(b[i]);
-    b[i] = bf16_to_float(b16[i]);
+    b16[i] = fp16 ? float_to_fp16(b[i] * 0x1p-10f / static_cast<float>(1u << (i % 16))) : float_to_bf16(b[i]);
+    b[i] = fp16 ? fp16_to_float(b16[i]) : bf16_to_float(b16[i]);
   }
+  const auto rows_16bit = fp16 ? &gemm_rows_avx2_f16 : &gemm_rows_avx2_bf16;
   for (const std::int64_t k : {std::int64_t{3}, std::int64_t{256}, std::int64_t{300}, std::int64_t{511},
                                std::int64_t{1003}, std::int64_t{1539}, k_max}) {
     if (dnnl_sgemm('N', 'T', rows, n, k, 1.0f, a, ld, b, ld, 0.0f, ref, n) != dnnl_success) return false;
     for (std::int64_t m = 1; m <= kRowsKernelMax; ++m) {
       // The last m rows: a run that does not start at a group boundary.
-      gemm_rows_avx2(m, n, k, a + (rows - m) * ld, ld, b, ld, out, n);
-      if (std::memcmp(out, ref + (rows - m) * n, static_cast<std::size_t>(m * n) * sizeof(float)) != 0)
-        return false;
-      gemm_rows_avx2_bf16(m, n, k, a + (rows - m) * ld, ld, b16, ld, out, n);
-      if (std::memcmp(out, ref + (rows - m) * n, static_cast<std::size_t>(m * n) * sizeof(float)) != 0)
-        return false;
+      const float* const want = ref + (rows - m) * n;
+      const std::size_t bytes = static_cast<std::size_t>(m * n) * sizeof(float);
+      if (!fp16) {
+        gemm_rows_avx2(m, n, k, a + (rows - m) * ld, ld, b, ld, out, n);
+        if (std::memcmp(out, want, bytes) != 0) return false;
+      }
+      rows_16bit(m, n, k, a + (rows - m) * ld, ld, b16, ld, out, n);
+      if (std::memcmp(out, want, bytes) != 0) return false;
     }
-    write_panels(b16, ld, n, k, panels);
-    gemm_row_avx2_panels(n, k, a + (rows - 1) * ld, panels, out);
-    if (std::memcmp(out, ref + (rows - 1) * n, static_cast<std::size_t>(n) * sizeof(float)) != 0)
-      return false;
-  }
-  return true;
-}
-
-// Compares gemm_rows_avx2_f16 and fp16 decode panels with sgemm on the widened fp16 B, bit for bit, as
-// rows_kernel_matches_sgemm does for the other variants; B's values span fp16's range, subnormals and
-// zeros included.
-bool f16_rows_kernel_matches_sgemm() {
-  constexpr std::int64_t rows = 12, n = 32, k_max = 4096, ld = k_max + 5;
-  const std::size_t floats = static_cast<std::size_t>((rows + n) * ld + (rows + kRowsKernelMax) * n +
-                                                      (n * ld + 1) / 2 + n * k_max / 2);
-  const std::unique_ptr<float, decltype(&std::free)> mem(
-      static_cast<float*>(std::malloc(floats * sizeof(float))), &std::free);
-  if (!mem) return false;
-  float* const a = mem.get();
-  float* const b = a + rows * ld;
-  float* const ref = b + n * ld;
-  float* const out = ref + rows * n;
-  auto* const b16 = reinterpret_cast<std::uint16_t*>(out + kRowsKernelMax * n);
-  std::uint16_t* const panels = b16 + 2 * ((n * ld + 1) / 2);
-  std::uint32_t state = 0x7f4a7c15u;
-  auto next = [&state] {
-    state = state * 1664525u + 1013904223u;
-    return static_cast<float>(static_cast<std::int32_t>(state >> 8) - (1 << 23));
-  };
-  for (std::int64_t i = 0; i < rows * ld; ++i) a[i] = next() / static_cast<float>(1u << (state & 15u));
-  for (std::int64_t i = 0; i < n * ld; ++i) {
-    const float v = next() * 0x1p-10f;  // |v| < 8192
-    b16[i] = float_to_fp16(v / static_cast<float>(1u << (state & 31u)));
-    b[i] = fp16_to_float(b16[i]);
-  }
-  for (const std::int64_t k : {std::int64_t{3}, std::int64_t{256}, std::int64_t{300}, std::int64_t{511},
-                               std::int64_t{1003}, std::int64_t{1539}, k_max}) {
-    if (dnnl_sgemm('N', 'T', rows, n, k, 1.0f, a, ld, b, ld, 0.0f, ref, n) != dnnl_success) return false;
-    for (std::int64_t m = 1; m <= kRowsKernelMax; ++m) {
-      gemm_rows_avx2_f16(m, n, k, a + (rows - m) * ld, ld, b16, ld, out, n);
-      if (std::memcmp(out, ref + (rows - m) * n, static_cast<std::size_t>(m * n) * sizeof(float)) != 0)
-        return false;
-    }
-    write_panels(b16, ld, n, k, panels, 1, true);
-    gemm_row_avx2_panels(n, k, a + (rows - 1) * ld, panels, out, true);
+    write_panels(b16, ld, n, k, panels, 1, fp16);
+    gemm_row_avx2_panels(n, k, a + (rows - 1) * ld, panels, out, fp16);
     if (std::memcmp(out, ref + (rows - 1) * n, static_cast<std::size_t>(n) * sizeof(float)) != 0)
       return false;
   }
@@ -168,7 +130,7 @@ bool use_rows_kernel() {
 #pragma omp parallel num_threads(1)
     {
       omp_set_num_threads(1);
-      matches = rows_kernel_matches_sgemm();
+      matches = rows_kernel_matches_sgemm(false);
     }
     return matches;
   }();
@@ -184,7 +146,7 @@ bool use_f16_rows_kernel() {
 #pragma omp parallel num_threads(1)
     {
       omp_set_num_threads(1);
-      matches = f16_rows_kernel_matches_sgemm();
+      matches = rows_kernel_matches_sgemm(true);
     }
     return matches;
   }();
