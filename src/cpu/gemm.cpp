@@ -122,36 +122,34 @@ bool rows_kernel_matches_sgemm(bool fp16) {
 // Whether gemm_f32 runs calls of at most kRowsKernelMax live rows on gemm_rows_avx2 (decided once per
 // process): row stability on, oneDNN on its AVX2 kernels (no AVX-512), the CPU with AVX2 and FMA and
 // kvcomp's own kernels not capped below them (KVCOMP_ISA), and the kernel matching sgemm here.
-bool use_rows_kernel() {
-  static const bool yes = [] {
-    if (!row_stable() || !onednn_on_avx2() || active_isa() < Isa::avx2) return false;
-    // sgemm on one thread, as gemm_f32 calls it (with more, it may split K and sum otherwise).
-    bool matches = false;
+// rows_kernel_matches_sgemm(fp16) with sgemm on one thread, as gemm_f32 calls it (with more, it may
+// split K and sum otherwise).
+bool rows_kernel_matches_one_thread_sgemm(bool fp16) {
+  bool matches = false;
 #pragma omp parallel num_threads(1)
-    {
-      omp_set_num_threads(1);
-      matches = rows_kernel_matches_sgemm(false);
-    }
-    return matches;
-  }();
+  {
+    omp_set_num_threads(1);
+    matches = rows_kernel_matches_sgemm(fp16);
+  }
+  return matches;
+}
+
+bool use_rows_kernel() {
+  static const bool yes = row_stable() && onednn_on_avx2() && active_isa() >= Isa::avx2 &&
+                          rows_kernel_matches_one_thread_sgemm(false);
   return yes;
 }
 
 // Whether fp16 weights are read in place by gemm_rows_avx2_f16: the rows kernel in use, the CPU with F16C,
 // and the fp16 variant matching sgemm here (checked once per process, as use_rows_kernel).
 bool use_f16_rows_kernel() {
-  static const bool yes = [] {
-    if (!use_rows_kernel() || !cpu_has_f16c()) return false;
-    bool matches = false;
-#pragma omp parallel num_threads(1)
-    {
-      omp_set_num_threads(1);
-      matches = rows_kernel_matches_sgemm(true);
-    }
-    return matches;
-  }();
+  static const bool yes = use_rows_kernel() && cpu_has_f16c() && rows_kernel_matches_one_thread_sgemm(true);
   return yes;
 }
+
+// The rows kernel for weights of this kind runs here: use_f16_rows_kernel for fp16 (which implies
+// use_rows_kernel), use_rows_kernel for bf16 and fp32.
+bool rows_kernel_for(bool fp16) { return fp16 ? use_f16_rows_kernel() : use_rows_kernel(); }
 
 }  // namespace
 
@@ -160,8 +158,7 @@ bool gemm_row_stable() { return row_stable(); }
 bool gemm_rows_kernel_active() { return use_rows_kernel(); }
 
 bool gemm_rows_16bit_applicable(std::int64_t n, std::int64_t half, bool fp16) {
-  return n >= 1 && n <= kRowsKernelMax && half > 0 && half % 16 == 0 && use_rows_kernel() &&
-         (!fp16 || use_f16_rows_kernel());
+  return n >= 1 && n <= kRowsKernelMax && half > 0 && half % 16 == 0 && rows_kernel_for(fp16);
 }
 
 namespace {
@@ -214,7 +211,7 @@ void write_panels(const std::uint16_t* w, std::int64_t ldw, std::int64_t n, std:
 }
 
 bool gemm_row_panels_applicable(std::int64_t n, std::int64_t half, bool fp16) {
-  return n == 1 && half > 0 && half % 16 == 0 && use_rows_kernel() && (!fp16 || use_f16_rows_kernel());
+  return n == 1 && half > 0 && half % 16 == 0 && rows_kernel_for(fp16);
 }
 
 void gemm_row_panels(std::int64_t half, std::int64_t K, const float* a, const std::uint16_t* kv_panels,
