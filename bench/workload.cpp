@@ -125,7 +125,7 @@ Workload::Workload(const Case& c) : buf_(std::make_unique<Buffers>()) {
 Workload::~Workload() = default;
 
 struct DecodeWorkload::Buffers {
-  std::vector<std::int32_t> sp, table;
+  std::vector<std::int32_t> sp, table, cu;
   std::vector<std::uint16_t> x, wkv, wgate, cmp;
   std::vector<float> ape, cache;
 };
@@ -138,8 +138,9 @@ DecodeWorkload::DecodeWorkload(const DecodeCase& c) : buf_(std::make_unique<Buff
   b.wgate = random_16bit(static_cast<std::size_t>(C * H), 0.02f, 13, c.io);
   b.ape.assign(static_cast<std::size_t>(r * C), 0.01f);
   b.sp.assign(static_cast<std::size_t>(B), static_cast<std::int32_t>(c.start_pos));
-  const i64 rows = compressed_rows_bsh(S, r);
-  b.cmp.resize(static_cast<std::size_t>(B * rows * D));
+  // cmp_kv rows: B x ceil(S / r) (BSH) or min(T, T / r + B) (TH)
+  const i64 rows = c.th ? compressed_rows_th(B * S, B, r) : B * compressed_rows_bsh(S, r);
+  b.cmp.resize(static_cast<std::size_t>(rows * D));
   i64 bs = 0, blocks = 0, cols = 1;
   if (c.ring) {
     bs = c.p.coff * r + S;
@@ -158,7 +159,15 @@ DecodeWorkload::DecodeWorkload(const DecodeCase& c) : buf_(std::make_unique<Buff
     blocks = next;
   }
   b.cache.assign(static_cast<std::size_t>(blocks * bs * 2 * C), 0.0f);
-  f_.x = Tensor(b.x.data(), c.io, {B, S, H});
+  if (c.th) {
+    for (i64 i = 0; i <= B; ++i) b.cu.push_back(static_cast<std::int32_t>(i * S));
+    f_.x = Tensor(b.x.data(), c.io, {B * S, H});
+    f_.cu_seqlens = Tensor(b.cu.data(), DType::i32, {B + 1});
+    f_.cmp_kv = Tensor(b.cmp.data(), c.io, {rows, D});
+  } else {
+    f_.x = Tensor(b.x.data(), c.io, {B, S, H});
+    f_.cmp_kv = Tensor(b.cmp.data(), c.io, {B, rows / B, D});
+  }
   f_.wkv = Tensor(b.wkv.data(), c.io, {C, H});
   f_.wgate = Tensor(b.wgate.data(), c.io, {C, H});
   f_.cmp_ratio = r;
@@ -170,7 +179,6 @@ DecodeWorkload::DecodeWorkload(const DecodeCase& c) : buf_(std::make_unique<Buff
   f_.state_block_table =
       c.ring ? Tensor(b.table.data(), DType::i32, {B}) : Tensor(b.table.data(), DType::i32, {B, cols});
   f_.grad_enabled = false;
-  f_.cmp_kv = Tensor(b.cmp.data(), c.io, {B, rows, D});
 }
 
 DecodeWorkload::~DecodeWorkload() = default;

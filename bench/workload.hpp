@@ -65,6 +65,7 @@ struct DecodeCase {
   std::int64_t batches, tokens, H, start_pos;
   bool ring;
   DType io = DType::bf16;
+  bool th = false;  // TH: x [B * tokens, H] with cu_seqlens (else BSH [B, tokens, H])
   double flop() const { return 4.0 * static_cast<double>(batches * tokens * p.coff * p.D * H); }
 };
 

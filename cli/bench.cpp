@@ -307,12 +307,14 @@ int run_bench(const BenchOptions& o) {
   for (const bench::Profile& p : bench::kProfiles) {
     if (o.preset != "all" && o.preset != p.name) continue;
     for (i64 b : o.decode)
-      if (b > 0) decode.push_back({p, b, o.decode_tokens, o.hidden, 0, o.decode_cache == "ring", io});
+      if (b > 0)
+        decode.push_back(
+            {p, b, o.decode_tokens, o.hidden, 0, o.decode_cache == "ring", io, o.decode_layout == "th"});
   }
   if (!decode.empty())
-    std::printf("\n%-6s %4s %3s %-5s | %-8s | %9s %9s %6s %8s | %8s %8s | %6s %7s\n", "decode", "B", "tok",
-                "cache", "products", "open ms", "close ms", "c/o", "raw ms", "16p ms", "f32p ms", "x prod",
-                "GFLOP/s");
+    std::printf("\n%-6s %4s %3s %-5s %-3s | %-8s | %9s %9s %6s %8s | %8s %8s | %6s %7s\n", "decode", "B",
+                "tok", "cache", "lay", "products", "open ms", "close ms", "c/o", "raw ms", "16p ms",
+                "f32p ms", "x prod", "GFLOP/s");
   for (const DecodeCase& c : decode) {
     std::fprintf(stderr, "decode %s B=%lld ...\r", c.p.name, static_cast<long long>(c.batches));
     std::fflush(stderr);
@@ -323,10 +325,11 @@ int run_bench(const BenchOptions& o) {
     if (r.open_s > 0) std::snprintf(open_ms, sizeof open_ms, "%.3f", r.open_s * 1e3);
     char bf16_ms[32] = "n/a";
     if (r.products_bf16_s > 0) std::snprintf(bf16_ms, sizeof bf16_ms, "%.3f", r.products_bf16_s * 1e3);
-    std::printf("%-6s %4lld %3lld %-5s | %-8s | %9s %9.3f %6s %8.3f | %8s %8.3f | %6s %7.1f\n", c.p.name,
+    std::printf("%-6s %4lld %3lld %-5s %-3s | %-8s | %9s %9.3f %6s %8.3f | %8s %8.3f | %6s %7.1f\n", c.p.name,
                 static_cast<long long>(c.batches), static_cast<long long>(c.tokens), o.decode_cache.c_str(),
-                used.fwd, open_ms, r.close_s * 1e3, ratio(r.close_s, r.open_s).c_str(), r.close_raw_s * 1e3,
-                bf16_ms, r.products_s * 1e3, ratio(r.close_s, prod).c_str(), c.flop() / r.close_s / 1e9);
+                c.th ? "TH" : "BSH", used.fwd, open_ms, r.close_s * 1e3, ratio(r.close_s, r.open_s).c_str(),
+                r.close_raw_s * 1e3, bf16_ms, r.products_s * 1e3, ratio(r.close_s, prod).c_str(),
+                c.flop() / r.close_s / 1e9);
     std::fflush(stdout);
   }
   std::fprintf(stderr, "%60s\r", "");
@@ -341,8 +344,8 @@ int run_bench(const BenchOptions& o) {
       "cmp%%: tokens inside compressed blocks (the backward's products skip whole chunks without any);\n"
       "TH/n: n sequences, lengths uniform in [0.5, 1.5] x T/n. peak MiB: the process's peak RSS in the "
       "case.\n"
-      "decode: forward of B sequences x tok tokens past position 1024, no gradient; open: no sequence ends a "
-      "block,\n"
+      "decode: forward of B sequences x tok tokens past position 1024, no gradient, lay(out) BSH or TH\n"
+      "  (--decode-layout); open: no sequence ends a block,\n"
       "  close: every sequence does; c/o their ratio; both with the weights prepared once "
       "(prepare_weights);\n"
       "  raw: the close call converting or packing the weights itself; 16p / f32p: the call's product\n"

@@ -60,6 +60,7 @@ struct BenchOptions {
   std::vector<std::int64_t> decode{1, 8, 64, 256};  // decode cases: batch sizes (none: empty)
   std::int64_t decode_tokens = 1;
   std::string decode_cache = "paged";  // paged or ring
+  std::string decode_layout = "bsh";   // bsh or th
   bool decode_cold = false;            // evict the caches before each timed decode call and product
   Device device;                       // cpu, or a CUDA device (cli/bench_cuda.cpp)
 };

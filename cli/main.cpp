@@ -198,6 +198,11 @@ int run(int argc, char** argv) {
   bench->add_option("--decode-cache", bench_o.decode_cache, "Cache of the decode cases: paged or ring")
       ->check(CLI::IsMember({"paged", "ring"}))
       ->capture_default_str();
+  bench
+      ->add_option("--decode-layout", bench_o.decode_layout,
+                   "Layout of the decode cases: bsh (x [B, tok, H]) or th (x [B * tok, H], cu_seqlens)")
+      ->check(CLI::IsMember({"bsh", "th"}))
+      ->capture_default_str();
   bench->add_flag("--decode-cold", bench_o.decode_cold,
                   "Evict the CPU caches before each timed decode call and product (a server's many layers "
                   "leave no weights cached)");

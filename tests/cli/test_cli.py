@@ -492,17 +492,23 @@ def test_bench_training_rows():
         assert int(row[4]) > 0, row
 
 
-@pytest.mark.parametrize("cold", [False, True])
-def test_bench_decode_rows(cold):
-    """`kvcomp bench` on the CPU, decode cases only: one row per B with positive times and ratios, and
-    with --decode-cold the header says the caches were evicted."""
+@pytest.mark.parametrize("cold,more", [(False, []), (True, []),
+                                       (False, ["--decode-layout", "th", "--decode-tokens", "2"]),
+                                       (False, ["--decode-layout", "th", "--decode-cache", "ring"])])
+def test_bench_decode_rows(cold, more):
+    """`kvcomp bench` on the CPU, decode cases only: one row per B with positive times and ratios, the
+    cache and layout named in each row, and with --decode-cold the header says the caches were evicted."""
     args = ["bench", "--no-training", "--preset", "C4Li", "--hidden", "64", "--decode", "1", "8", "--repeat", "1"]
-    r = run_kvcomp(*args, *(["--decode-cold"] if cold else []))
+    r = run_kvcomp(*args, *(["--decode-cold"] if cold else []), *more)
     assert r.returncode == 0, r.stderr
     assert ("decode cold" in r.stdout.splitlines()[0]) == cold, r.stdout
     rows = [line.split("|") for line in r.stdout.splitlines() if line.startswith("C4Li")]
     assert [int(row[0].split()[1]) for row in rows] == [1, 8], r.stdout
+    tokens = more[more.index("--decode-tokens") + 1] if "--decode-tokens" in more else "1"
+    cache = "ring" if "ring" in more else "paged"
+    layout = "TH" if "th" in more else "BSH"
     for row in rows:
+        assert row[0].split()[2:] == [tokens, cache, layout], row
         open_ms, close_ms, _, raw_ms = map(float, row[2].split())
         f32p_ms = float(row[3].split()[1])
         assert min(open_ms, close_ms, raw_ms, f32p_ms) > 0, row
