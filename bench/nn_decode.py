@@ -58,7 +58,7 @@ def main():
                     call()
                     times.append(time.perf_counter() - t)
                 best[mode] = min(times[2:]) * 1e3
-            print(f"{name:6s} B={B:<4d} cast + prepare per call {best['per call']:8.2f} ms   kept {best['kept']:8.2f} ms"
+            print(f"{name:6s} B={B:<4d} cast + prepare per call {best['per call']:8.3f} ms   kept {best['kept']:8.3f} ms"
                   f"   ({best['per call'] / best['kept']:.1f}x)")
 
 

@@ -71,27 +71,28 @@ class Compressor(torch.nn.Module):
         makes them again."""
         self._prepared = None
 
-    def _weights_for(self, x):
-        """(wkv, wgate, prepared blob or None) in x's dtype for a one-process call: kept between calls
-        that record no gradient, else cast per call (so autograd reaches the parameters)."""
-        records_grad = torch.is_grad_enabled() and (self.wkv.requires_grad or self.wgate.requires_grad)
+    def _weights_for(self, x, wkv_p, wgate_p):
+        """(wkv, wgate, prepared blob or None) in x's dtype for a one-process call on the parameters
+        ``wkv_p`` and ``wgate_p`` (this module's, read once by the caller): kept between calls that record
+        no gradient, else cast per call (so autograd reaches the parameters)."""
+        records_grad = torch.is_grad_enabled() and (wkv_p.requires_grad or wgate_p.requires_grad)
         if records_grad or torch.compiler.is_compiling():
-            return self.wkv.to(x.dtype), self.wgate.to(x.dtype), None
+            return wkv_p.to(x.dtype), wgate_p.to(x.dtype), None
         # The parameter objects themselves (held, so that no other tensor can take their memory while
         # the copy is kept), their storage and version counters; inference mode makes inference
         # tensors, kept apart from the others.
-        key = (x.dtype, x.device, torch.is_inference_mode_enabled(), self.wkv.data_ptr(), self.wkv._version,
-               self.wgate.data_ptr(), self.wgate._version)
+        key = (x.dtype, x.device, torch.is_inference_mode_enabled(), wkv_p.data_ptr(), wkv_p._version,
+               wgate_p.data_ptr(), wgate_p._version)
         # One read of self._prepared and one write: calls from several threads each use a whole
         # tuple (at worst two of them make one each).
         p = self._prepared
-        if p is None or p[0] is not self.wkv or p[1] is not self.wgate or p[2] != key:
+        if p is None or p[0] is not wkv_p or p[1] is not wgate_p or p[2] != key:
             self._prepared = p = None  # the old copy goes before the new one is made
             with torch.no_grad():
-                wkv = self.wkv.to(x.dtype).contiguous()
-                wgate = self.wgate.to(x.dtype).contiguous()
+                wkv = wkv_p.to(x.dtype).contiguous()
+                wgate = wgate_p.to(x.dtype).contiguous()
                 blob = _prepare_weights(wkv, wgate) if x.device.type == "cpu" else None
-            p = (self.wkv, self.wgate, key, wkv, wgate, blob)
+            p = (wkv_p, wgate_p, key, wkv, wgate, blob)
             self._prepared = p
         return p[3:]
 
@@ -117,12 +118,19 @@ class Compressor(torch.nn.Module):
         blocks this rank owns (``kvcomp.distributed.cp_compressor``).
         """
         group = cp_group if cp_group is not None else self.cp_group
-        ape = self.ape.to(torch.float32)
+        # The parameters, read once: each attribute read of one goes through Module.__getattr__ (about
+        # 0.8 us; a decode call of a small layer takes tens of microseconds in all).
+        params = self._parameters
+        if "wkv" in params and "wgate" in params and "ape" in params:
+            wkv_p, wgate_p, ape_p = params["wkv"], params["wgate"], params["ape"]
+        else:  # e.g. torch.nn.utils.parametrize made one of them a property
+            wkv_p, wgate_p, ape_p = self.wkv, self.wgate, self.ape
+        ape = ape_p if ape_p.dtype == torch.float32 else ape_p.to(torch.float32)  # .to: 2 us even as a no-op
         if group is not None:
             # fp32 parameters go in as they are: the call casts them and returns fp32 partial sums of
             # their gradients (CPU), so the all-reduced gradient is rounded once.
-            master = self.wkv.dtype == torch.float32 and self.wgate.dtype == torch.float32
-            wkv, wgate = (self.wkv, self.wgate) if master else (self.wkv.to(x.dtype), self.wgate.to(x.dtype))
+            master = wkv_p.dtype == torch.float32 and wgate_p.dtype == torch.float32
+            wkv, wgate = (wkv_p, wgate_p) if master else (wkv_p.to(x.dtype), wgate_p.to(x.dtype))
             return _cp.cp_compressor(x, wkv, wgate, ape, self.cmp_ratio, group=group,
                                      split=cp_split or self.cp_split, cu_seqlens=cu_seqlens, seqused=seqused,
                                      start_pos=start_pos, coff=self.coff, state_cache=state_cache,
@@ -138,14 +146,12 @@ class Compressor(torch.nn.Module):
             state_block_table = torch.zeros((max(batches, 0), max(1, -(-rows // r))), dtype=torch.int32,
                                             device=x.device)
             cache_mode = 1
-        wkv, wgate, blob = self._weights_for(x)
+        wkv, wgate, blob = self._weights_for(x, wkv_p, wgate_p)
         if blob is None:
             return _kt.compressor(x, wkv, wgate, state_cache, ape, self.cmp_ratio,
                                   state_block_table=state_block_table, cu_seqlens=cu_seqlens, seqused=seqused,
                                   start_pos=start_pos, coff=self.coff, cache_mode=cache_mode)
         if state_block_table is None:  # the refusal kvcomp.torch.compressor gives
             return _kt.compressor(x, wkv, wgate, state_cache, ape, self.cmp_ratio)
-        cmp_kv, _, _ = _kt.forward_with_gradient(x, wkv, wgate, state_cache, ape, state_block_table, cu_seqlens,
-                                                 seqused, start_pos, self.cmp_ratio, self.coff, cache_mode, False,
-                                                 prepared_weights=blob)
-        return cmp_kv
+        return _kt.cmp_kv_with_gradient(x, wkv, wgate, state_cache, ape, state_block_table, cu_seqlens, seqused,
+                                        start_pos, self.cmp_ratio, self.coff, cache_mode, prepared_weights=blob)

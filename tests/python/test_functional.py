@@ -114,6 +114,32 @@ def test_non_contiguous_inputs_are_accepted():
     assert torch.equal(out, ref)
 
 
+def test_every_argument_kind_gives_the_same_bits():
+    """The forward hands CPU torch tensors to the core on a fast path (_cpu_torch_capsules) and anything
+    else on the general one: tensors that require grad, non-contiguous ones, numpy arrays mixed in, and a
+    state cache strided in dim 0 give bitwise the results and the cache writes of plain contiguous
+    tensors."""
+    case = make_case(lens=[3, 6], r=4, coff=2, start_pos=[5, 10], seed=6)
+    kw = case.kwargs()
+    ref_cache = case.state_cache.clone()
+    ref = kvcomp.compressor_forward(case.x, case.wkv, case.wgate, ref_cache, case.ape, 4, grad_enabled=True, **kw)
+    big = torch.full((2 * case.state_cache.shape[0],) + tuple(case.state_cache.shape[1:]), -7.0)
+    big[::2] = case.state_cache
+    cache = big[::2]  # every other block of a larger cache: strided in dim 0, written in place
+    assert not cache.is_contiguous()
+    start_pos = torch.stack([kw["start_pos"], kw["start_pos"]], dim=1)[:, 0]  # a strided view
+    assert not start_pos.is_contiguous()
+    out = kvcomp.compressor_forward(
+        case.x.clone().requires_grad_(), case.wkv.t().contiguous().t(), case.wgate, cache,
+        case.ape.clone().requires_grad_(), 4, grad_enabled=True,
+        **dict(kw, start_pos=start_pos, state_block_table=kw["state_block_table"].numpy()),
+    )
+    for a, b in zip(out, ref):
+        assert type(a) is torch.Tensor and not a.requires_grad and torch.equal(a, b)
+    assert torch.equal(cache, ref_cache) and not torch.equal(ref_cache, case.state_cache)
+    assert bool((big[1::2] == -7.0).all())  # the blocks between untouched
+
+
 def test_empty_forward_input():
     """B = 0 is legal for the forward (spec 1.7): empty outputs, state cache untouched."""
     case = make_case(lens=[4], r=4, seed=5)

@@ -139,6 +139,42 @@ def test_serving_from_several_threads():
         assert not errors, errors[0]
 
 
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+def test_parametrized_and_16_bit_parameters(param_dtype):
+    """The module reads its parameters once per call from its parameter dict, and through the attributes
+    where torch.nn.utils.parametrize made one a property: the result is the operator's on the
+    weights the attributes give, with and without gradient, for fp32 and bf16 parameters (ape cast
+    to fp32)."""
+    from torch.nn.utils import parametrize
+
+    class Twice(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    torch.manual_seed(4)
+    m = kvcomp.nn.Compressor(32, 8, 4, dtype=param_dtype)
+    with torch.no_grad():
+        m.ape.normal_()
+    x = torch.randn(2, 8, 32).bfloat16()
+    cache = torch.zeros(1, 4, 32)
+    table = torch.zeros(2, 3, dtype=torch.int32)
+
+    def by_hand():
+        return kt.compressor(x, m.wkv.detach().bfloat16(), m.wgate.detach().bfloat16(), cache, m.ape.detach().float(),
+                             4, state_block_table=table, coff=2)
+
+    plain = by_hand()
+    parametrize.register_parametrization(m, "wkv", Twice())
+    assert "wkv" not in m._parameters
+    want = by_hand()
+    assert not torch.equal(want, plain)
+    with torch.no_grad():
+        assert torch.equal(m(x), want)
+    out = m(x)
+    out.float().sum().backward()
+    assert torch.equal(out, want) and m.parametrizations.wkv.original.grad is not None
+
+
 def test_start_pos_needs_a_cache():
     m = kvcomp.nn.Compressor(16, 4, 4)
     with pytest.raises(kvcomp.KvcompError, match="state_cache"):
