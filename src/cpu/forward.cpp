@@ -14,7 +14,8 @@ namespace {
 
 struct ForwardBuffers {
   std::int64_t ld_h, ld_c2;  // padded leading dimensions
-  float* wcat = nullptr;     // [2C, ld_h]: wkv rows then wgate rows, fp32 (fp32 products only)
+  float* wcat = nullptr;     // [2C, ld_h]: wkv rows then wgate rows, fp32 (fp32 products of a longer call)
+  float* widen = nullptr;    // fp32 products of one row tile: each thread's column tile of wcat (gemm.hpp)
   float* xf = nullptr;       // [Rp, ld_h]: the chunk's x rows in fp32, zero rows up to the GEMM's padded M
   float* proj;    // [coff*r + Rp, ld_c2]: projections (kv | score+ape) of the chunk and the rows before it
   void* scratch;  // forward_scratch_bytes() for each thread of forward_blocks
@@ -47,7 +48,13 @@ struct ForwardBuffers {
       }
       xb = ws.take<std::uint16_t>(Rp * d.H);
     } else {
-      wcat = ws.take<float>(2 * d.C * ld_h);
+      // A call of one row tile (decode) widens the weights tile by tile, in the caches; a longer one
+      // reads each column tile once per row tile, so it widens them once, whole.
+      if (gemm_one_column_pass(gemm_padded_rows(R, true)))
+        widen =
+            ws.take<float>(static_cast<std::int64_t>(gemm_widen_scratch_floats(2 * d.C, ld_h, num_threads)));
+      else
+        wcat = ws.take<float>(2 * d.C * ld_h);
       xf = ws.take<float>(Rp * ld_h);
     }
     proj = ws.take<float>((d.coff * d.r + Rp) * ld_c2);
@@ -121,7 +128,7 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
     }
   } else if (prepared.kv) {  // wkv rows then wgate rows: one fp32 matrix
     wcat = static_cast<const float*>(prepared.kv);
-  } else if (!half_in_place) {
+  } else if (!half_in_place && buf.wcat) {
     rows_to_f32(args.wkv.data, d.io, C, H, buf.wcat, buf.ld_h, num_threads);
     rows_to_f32(args.wgate.data, d.io, C, H, buf.wcat + C * buf.ld_h, buf.ld_h, num_threads);
   }
@@ -188,10 +195,14 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
         const std::int64_t n_pad = gemm_padded_rows(n, true);
         for (std::int64_t i = n; i < n_pad; ++i)
           std::fill(buf.xf + i * buf.ld_h, buf.xf + i * buf.ld_h + H, 0.0f);
-        // [new_kv | new_score] = x . [wkv ; wgate]^T
-        if (!gemm_f32(n_pad, 2 * C, H, {buf.xf, buf.ld_h, false}, {wcat, buf.ld_h, true}, rows, buf.ld_c2,
-                      false, num_threads, n))
-          return {StatusCode::runtime_error, "[kvcomp] oneDNN matmul for the projections failed"};
+        // [new_kv | new_score] = x . [wkv ; wgate]^T (the weights widened now, tile by tile, unless
+        // prepared or widened whole above)
+        const bool ok =
+            wcat ? gemm_f32(n_pad, 2 * C, H, {buf.xf, buf.ld_h, false}, {wcat, buf.ld_h, true}, rows,
+                            buf.ld_c2, false, num_threads, n)
+                 : gemm_f32_widening(n_pad, C, H, {buf.xf, buf.ld_h, false}, args.wkv.data, args.wgate.data,
+                                     d.io, rows, buf.ld_c2, buf.widen, buf.ld_h, num_threads, n);
+        if (!ok) return {StatusCode::runtime_error, "[kvcomp] oneDNN matmul for the projections failed"};
       }
     }
     add_ape(plan, static_cast<const float*>(args.ape.data), buf.proj, first, buf.ld_c2, a, b, num_threads);

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <memory>
 
+#include "cpu/convert.hpp"
 #include "cpu/gemm_rows.hpp"
 #include "cpu/isa.hpp"
 #include "kvcomp/half.hpp"
@@ -241,14 +242,21 @@ std::int64_t gemm_padded_rows(std::int64_t rows, bool b_transposed) {
   return (rows + q - 1) / q * q;
 }
 
+namespace {
+
+// The tiles of gemm_f32: B's tile [n0, n0 + nt) comes from b_tile(n0, nt), which returns it as an operand
+// (B itself offset to the tile, or a copy of the tile the provider made on the calling thread).
+//
 // Each tile is one dnnl_sgemm call (oneDNN's BLAS-style entry: no primitive,
 // no memory objects, nothing allocated with operator new; its packing
 // buffers come from oneDNN's own aligned malloc). The calling thread's
 // OpenMP limit is set to 1 first, because dnnl_sgemm sizes its internal
 // split by omp_get_max_threads() when it is not already inside an active
 // parallel region, which is the case with one thread.
-bool gemm_f32(std::int64_t M, std::int64_t N, std::int64_t K, GemmOperand a, GemmOperand b, float* c,
-              std::int64_t ldc, bool accumulate, int num_threads, std::int64_t live_rows) {
+template <typename BTile>
+bool gemm_f32_tiles(std::int64_t M, std::int64_t N, std::int64_t K, GemmOperand a, bool b_transposed,
+                    BTile&& b_tile, float* c, std::int64_t ldc, bool accumulate, int num_threads,
+                    std::int64_t live_rows) {
   if (M <= 0 || N <= 0) return true;
   if (K <= 0) {
     if (!accumulate)
@@ -264,7 +272,7 @@ bool gemm_f32(std::int64_t M, std::int64_t N, std::int64_t K, GemmOperand a, Gem
   // (gemm_rows.hpp); a tile with a partial group, whose last columns sgemm sums in another order,
   // stays with sgemm on all M rows.
   const bool rows_kernel = live_rows > 0 && live_rows <= kRowsKernelMax && live_rows <= M && !accumulate &&
-                           !a.transposed && b.transposed && use_rows_kernel();
+                           !a.transposed && b_transposed && use_rows_kernel();
   std::atomic<bool> ok{true};
 #pragma omp parallel num_threads(static_cast<int>(std::min<std::int64_t>(num_threads, tiles)))
   {
@@ -277,17 +285,53 @@ bool gemm_f32(std::int64_t M, std::int64_t N, std::int64_t K, GemmOperand a, Gem
       const std::int64_t nt = std::min(kTileN, N - n0);
       // Row-major: A[M,K] (or stored [K,M] when transposed), B[K,N] (or [N,K]).
       const float* a_ptr = a.transposed ? a.ptr + m0 : a.ptr + m0 * a.ld;
-      const float* b_ptr = b.transposed ? b.ptr + n0 * b.ld : b.ptr + n0;
+      const GemmOperand b = b_tile(n0, nt);
       if (rows_kernel && nt % 16 == 0) {
-        gemm_rows_avx2(live_rows, nt, K, a_ptr, a.ld, b_ptr, b.ld, c + n0, ldc);
+        gemm_rows_avx2(live_rows, nt, K, a_ptr, a.ld, b.ptr, b.ld, c + n0, ldc);
         continue;
       }
-      if (dnnl_sgemm(a.transposed ? 'T' : 'N', b.transposed ? 'T' : 'N', mt, nt, K, 1.0f, a_ptr, a.ld, b_ptr,
+      if (dnnl_sgemm(a.transposed ? 'T' : 'N', b_transposed ? 'T' : 'N', mt, nt, K, 1.0f, a_ptr, a.ld, b.ptr,
                      b.ld, beta, c + m0 * ldc + n0, ldc) != dnnl_success)
         ok = false;
     }
   }
   return ok;
+}
+
+}  // namespace
+
+bool gemm_f32(std::int64_t M, std::int64_t N, std::int64_t K, GemmOperand a, GemmOperand b, float* c,
+              std::int64_t ldc, bool accumulate, int num_threads, std::int64_t live_rows) {
+  const auto b_tile = [&b](std::int64_t n0, std::int64_t) {
+    return GemmOperand{b.transposed ? b.ptr + n0 * b.ld : b.ptr + n0, b.ld, b.transposed};
+  };
+  return gemm_f32_tiles(M, N, K, a, b.transposed, b_tile, c, ldc, accumulate, num_threads, live_rows);
+}
+
+bool gemm_one_column_pass(std::int64_t M) { return M <= tile_m(); }
+
+std::size_t gemm_widen_scratch_floats(std::int64_t N, std::int64_t ld, int num_threads) {
+  const std::int64_t team = std::clamp<std::int64_t>((N + kTileN - 1) / kTileN, 1, std::max(num_threads, 1));
+  return static_cast<std::size_t>(team * kTileN * ld);
+}
+
+bool gemm_f32_widening(std::int64_t M, std::int64_t half, std::int64_t K, GemmOperand a, const void* wkv,
+                       const void* wgate, DType dt, float* c, std::int64_t ldc, float* scratch,
+                       std::int64_t ld_scratch, int num_threads, std::int64_t live_rows) {
+  if (!gemm_one_column_pass(M)) return false;
+  const std::size_t row_bytes = static_cast<std::size_t>(K) * dtype_size(dt);
+  const auto b_tile = [&](std::int64_t n0, std::int64_t nt) {
+    // This thread's tile of [wkv ; wgate] in fp32 (rows n0 .. n0 + nt of B, either matrix's rows).
+    float* tile = scratch + static_cast<std::int64_t>(omp_get_thread_num()) * kTileN * ld_scratch;
+    for (std::int64_t n = n0; n < n0 + nt; ++n) {
+      const void* src = n < half ? wkv : wgate;
+      const std::int64_t row = n < half ? n : n - half;
+      to_f32(static_cast<const unsigned char*>(src) + static_cast<std::size_t>(row) * row_bytes, dt,
+             tile + (n - n0) * ld_scratch, K);
+    }
+    return GemmOperand{tile, ld_scratch, true};
+  };
+  return gemm_f32_tiles(M, 2 * half, K, a, true, b_tile, c, ldc, false, num_threads, live_rows);
 }
 
 }  // namespace kvcomp::detail

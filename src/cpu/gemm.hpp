@@ -10,7 +10,10 @@
 // same order whatever the thread count.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+
+#include "kvcomp/kvcomp.hpp"
 
 namespace kvcomp::detail {
 
@@ -59,6 +62,19 @@ inline std::int64_t gemm_row_capacity(std::int64_t rows) {
 // not operator new; the kernel stays off when that fails).
 bool gemm_f32(std::int64_t M, std::int64_t N, std::int64_t K, GemmOperand a, GemmOperand b, float* c,
               std::int64_t ldc, bool accumulate, int num_threads, std::int64_t live_rows = -1);
+// A product of the forward whose B is its two 16-bit (or fp32) weight matrices [wkv ; wgate] ([half, K]
+// each, row stride K, dtype dt; B stored [N, K] with N = 2 * half): gemm_f32's tiles, each column tile of B
+// widened to fp32 in this thread's part of `scratch` (ld_scratch floats a row) just before its product,
+// instead of the whole of B before the call. A decode-sized call of 9 or more rows without prepared
+// weights then keeps its fp32 copy of the weights in the caches (a whole copy is 2 x 4 x half x K bytes,
+// 32 MiB at C4A's H = 4096: written to memory and read back). Only for calls of one row tile, where each
+// column tile is read once (gemm_one_column_pass(M); false otherwise, nothing done). Same tiles, kernels
+// and fp32 values as gemm_f32 on the widened B, so the same bits. scratch: gemm_widen_scratch_floats.
+bool gemm_one_column_pass(std::int64_t M);
+std::size_t gemm_widen_scratch_floats(std::int64_t N, std::int64_t ld, int num_threads);
+bool gemm_f32_widening(std::int64_t M, std::int64_t half, std::int64_t K, GemmOperand a, const void* wkv,
+                       const void* wgate, DType dt, float* c, std::int64_t ldc, float* scratch,
+                       std::int64_t ld_scratch, int num_threads, std::int64_t live_rows = -1);
 // True when gemm_f32 runs calls of few live rows on its own AVX2 kernel (gemm_rows.hpp), decided
 // once per process (the first call checks the kernel against sgemm).
 bool gemm_rows_kernel_active();

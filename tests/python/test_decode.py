@@ -78,6 +78,34 @@ def test_prepared_weights_against_the_oracle(dtype, r, coff, cache_mode, th, B):
             _check(case, out, cache)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("Dh,coff", [(32, 2), (150, 2), (40, 1)])
+@pytest.mark.parametrize("B,tokens", [(3, 1), (12, 1), (16, 4), (50, 3), (70, 3)])
+def test_raw_weights_give_the_prepared_bits(dtype, Dh, coff, B, tokens):
+    """A call without prepared weights of one row tile (decode-sized: 9 to 192 rows on AVX2) widens its
+    weights to fp32 column tile by column tile (src/cpu/gemm.hpp, gemm_f32_widening), a longer one
+    (210 rows) all at once: either gives bitwise the results of the prepared fp32 weights, also where
+    C is no multiple of 16 (C = 300: partial 16-column groups, a column tile across wkv and wgate) and
+    for 3 rows there (the few-rows kernel on whole groups, sgemm on the rest)."""
+    import kvcomp
+
+    r = 4 if coff == 2 else 8
+    sp = _starts(B, r, 1000, r - 1)
+    case = make_case(lens=[tokens] * B, H=72, D=Dh, r=r, coff=coff, start_pos=sp, dtype=dtype, seed=B + tokens)
+    blob = kvcomp.prepare_weights(case.wkv, case.wgate)
+    cache, plain_cache = case.state_cache.clone(), case.state_cache.clone()
+    kw = case.kwargs()
+    with torch.no_grad():
+        out, _, _ = kt.forward_with_gradient(
+            case.x, case.wkv, case.wgate, cache, case.ape, kw["state_block_table"], None, None, kw["start_pos"], r,
+            coff, 1, False, prepared_weights=blob)
+        plain = kt.compressor(case.x, case.wkv, case.wgate, plain_cache, case.ape, r, **kw)
+    bits = torch.int16 if out.element_size() == 2 else torch.int32
+    assert torch.equal(out.view(bits), plain.view(bits)) and torch.equal(cache, plain_cache)
+    if dtype == "bf16":
+        _check(case, plain, plain_cache)
+
+
 def test_prepared_weights_of_other_weights_are_refused():
     import kvcomp
 
