@@ -139,7 +139,7 @@ def _cpu_torch_capsules(tensors):
         if a is None:
             out.append(None)
         elif isinstance(a, tensor) and a.is_cpu:
-            out.append(to_dlpack((a.detach() if a.requires_grad else a).contiguous()))
+            out.append(to_dlpack(_plain(a)))
         else:
             return None
     return out

@@ -153,5 +153,7 @@ class Compressor(torch.nn.Module):
                                   start_pos=start_pos, coff=self.coff, cache_mode=cache_mode)
         if state_block_table is None:  # the refusal kvcomp.torch.compressor gives
             return _kt.compressor(x, wkv, wgate, state_cache, ape, self.cmp_ratio)
-        return _kt.cmp_kv_with_gradient(x, wkv, wgate, state_cache, ape, state_block_table, cu_seqlens, seqused,
-                                        start_pos, self.cmp_ratio, self.coff, cache_mode, prepared_weights=blob)
+        # _empties=False: no empty intermediates where the call skips the dispatcher (they are dropped here)
+        return _kt.forward_with_gradient(x, wkv, wgate, state_cache, ape, state_block_table, cu_seqlens, seqused,
+                                         start_pos, self.cmp_ratio, self.coff, cache_mode, False,
+                                         prepared_weights=blob, _empties=False)[0]

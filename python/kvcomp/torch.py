@@ -78,8 +78,10 @@ def compressor_forward_op(
 
 
 def _forward(x, wkv, wgate, state_cache, ape, state_block_table, cu_seqlens, seqused, start_pos, cmp_ratio, coff,
-             cache_mode, grad_enabled, prepared_weights):
-    """The implementation of compressor_forward_op, dispatched or called directly (_dispatch_free)."""
+             cache_mode, grad_enabled, prepared_weights, empties=True):
+    """The implementation of compressor_forward_op, dispatched or called directly (_dispatch_free).
+    Without grad_enabled the intermediates are empty [0] tensors, or None when not ``empties`` (a
+    caller that drops them; 1.7 us each)."""
     cmp_kv, softmax_score, kv = _functional.compressor_forward(
         x,
         wkv,
@@ -96,7 +98,7 @@ def _forward(x, wkv, wgate, state_cache, ape, state_block_table, cu_seqlens, seq
         grad_enabled=grad_enabled,
         prepared_weights=prepared_weights,
     )
-    if not grad_enabled:
+    if not grad_enabled and empties:
         softmax_score = x.new_empty((0,), dtype=torch.float32)
         kv = x.new_empty((0,), dtype=torch.float32)
     return cmp_kv, softmax_score, kv
@@ -358,7 +360,7 @@ def compressor(
 
 def forward_with_gradient(
     x, wkv, wgate, state_cache, ape, state_block_table, cu_seqlens, seqused, start_pos, cmp_ratio, coff, cache_mode,
-    keep_intermediates, prepared_weights=None,
+    keep_intermediates, prepared_weights=None, *, _empties=True,
 ):
     """(cmp_kv, softmax_score, kv) of compressor_forward_op, cmp_kv carrying CompressorGrad whenever any of
     x, wkv, wgate, ape requires a gradient and grad mode is on (the intermediates are then kept; else
@@ -372,7 +374,7 @@ def forward_with_gradient(
     if not needs_grad and _dispatch_free(args, state_cache):
         # No detach here: _functional takes detached views of its inputs itself.
         out = _forward(x, wkv, wgate, state_cache, ape, state_block_table, cu_seqlens, seqused, start_pos,
-                       cmp_ratio, coff, cache_mode, bool(keep_intermediates), prepared_weights)
+                       cmp_ratio, coff, cache_mode, bool(keep_intermediates), prepared_weights, _empties)
         torch.autograd.graph.increment_version(state_cache)  # as the dispatcher does for a mutated argument
         return out
     cmp_kv, softmax_score, kv = torch.ops.kvcomp.compressor_forward(
@@ -396,25 +398,6 @@ def forward_with_gradient(
             cmp_kv, x, wkv, wgate, ape, softmax_score, kv, cu_seqlens, seqused, start_pos, cmp_ratio, coff
         )
     return cmp_kv, softmax_score, kv
-
-
-def cmp_kv_with_gradient(
-    x, wkv, wgate, state_cache, ape, state_block_table, cu_seqlens, seqused, start_pos, cmp_ratio, coff, cache_mode,
-    prepared_weights=None,
-):
-    """``forward_with_gradient(...)[0]`` without making the two empty intermediates a caller would drop
-    (kvcomp.nn.Compressor: about 3 us of a decode call)."""
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, wkv, wgate, ape))
-    args = (x, wkv, wgate, state_cache, ape, state_block_table, cu_seqlens, seqused, start_pos, prepared_weights)
-    if needs_grad or not _dispatch_free(args, state_cache):
-        return forward_with_gradient(x, wkv, wgate, state_cache, ape, state_block_table, cu_seqlens, seqused,
-                                     start_pos, cmp_ratio, coff, cache_mode, False, prepared_weights)[0]
-    cmp_kv, _, _ = _functional.compressor_forward(
-        x, wkv, wgate, state_cache, ape, cmp_ratio, state_block_table=state_block_table, cu_seqlens=cu_seqlens,
-        seqused=seqused, start_pos=start_pos, coff=coff, cache_mode=cache_mode, prepared_weights=prepared_weights,
-    )
-    torch.autograd.graph.increment_version(state_cache)  # as the dispatcher does for a mutated argument
-    return cmp_kv
 
 
 # Defined after the operators above, which it builds on; importing it installs nothing.

@@ -15,7 +15,7 @@ namespace {
 struct ForwardBuffers {
   std::int64_t ld_h, ld_c2;  // padded leading dimensions
   float* wcat = nullptr;     // [2C, ld_h]: wkv rows then wgate rows, fp32 (fp32 products of a longer call)
-  float* widen = nullptr;    // fp32 products of one row tile: each thread's column tile of wcat (gemm.hpp)
+  float* widen = nullptr;    // fp32 products of one row tile: each thread's column tile of the fp32 weights
   float* xf = nullptr;       // [Rp, ld_h]: the chunk's x rows in fp32, zero rows up to the GEMM's padded M
   float* proj;    // [coff*r + Rp, ld_c2]: projections (kv | score+ape) of the chunk and the rows before it
   void* scratch;  // forward_scratch_bytes() for each thread of forward_blocks
