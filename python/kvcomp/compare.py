@@ -215,10 +215,10 @@ def fp32_projection(a, b, c, dtype):
     rounding midpoint. Instead:
       io dtypes: |A - C| <= one io ulp of C + 2^-18 max|C| everywhere (the second term covers elements
         that are cancelled sums), and no more rounding flips (A != C) than 2 x B's + 3;
-      fp32: the three-way MERE and RMSE ratios < 2 (over the elements with |C| >= 2^-10 max|C|: a
-        cancelled sum's relative error is that of its terms' rounding) and
-        max |A - C| <= 10 max |B - C| (absolute: the relative error of a cancelled sum says nothing about
-        the summation).
+      fp32: the three-way MERE and RMSE ratios < 2, each element's error relative to max(|C|, rms C)
+        (a sum's rounding error follows the size of its terms, not of the result: relative to |C| alone
+        one cancelled sum can outweigh the other elements of a small output), and
+        max |A - C| <= 10 max |B - C| (absolute).
     NaN/Inf as in the three-way rule: positions where A and C are the same NaN/Inf are skipped, any other
     non-finite A or C fails; a non-finite B is infinitely wrong."""
     a, b, c = as_f32(a), as_f32(b), as_f32(c)
@@ -246,12 +246,20 @@ def fp32_projection(a, b, c, dtype):
         if flips_a > 2 * flips_b + 3:
             return ProjectionResult(False, f"{flips_a} rounding flips vs {flips_b} for the fp32 golden")
         return ProjectionResult()
-    # The mean statistics skip cancelled sums (|C| < 2^-10 max|C|), whose relative error is set by the
-    # rounding of terms much larger than the result; the absolute max check below still covers them.
-    kept = np.abs(c) >= np.ldexp(np.max(np.abs(c)), -10)
-    r = three_way(a[kept], b[kept], c[kept], key)
-    if not (r.mere_ratio < 2 and r.rmse_ratio < 2):
-        return ProjectionResult(False, r.summary())
+    # Errors relative to max(|C|, rms C); the ratio floors are the three-way rule's (err).
+    den = np.maximum(np.maximum(np.abs(c), np.sqrt(np.mean(c * c))), 1e-30)
+    with np.errstate(invalid="ignore"):
+        ea, eb = np.abs(a - c), np.where(np.isfinite(b), np.abs(b - c), np.inf)
+    mere_a, mere_b = float(np.mean(ea / den)), float(np.mean(eb / den))
+    rmse_a, rmse_b = float(np.sqrt(np.mean(ea * ea))), float(np.sqrt(np.mean(eb * eb)))
+    tiny = THREE_WAY_THRESHOLDS["fp32"][0]
+    if not (mere_a / max(mere_b, tiny) < 2 and rmse_a / max(rmse_b, tiny) < 2):
+        which = "RMSE" if mere_a / max(mere_b, tiny) < 2 else "MERE"
+        why = (
+            f"{which} ratio >= 2 (MERE {mere_a:.3g} vs {mere_b:.3g}, RMSE {rmse_a:.3g} vs {rmse_b:.3g}"
+            " for the fp32 golden)"
+        )
+        return ProjectionResult(False, why)
     max_a = float(np.max(np.abs(a - c)))
     with np.errstate(invalid="ignore"):
         max_b = float(np.max(np.where(np.isfinite(b), np.abs(b - c), np.inf)))
