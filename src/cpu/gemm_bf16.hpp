@@ -38,7 +38,7 @@ namespace kvcomp::detail {
 constexpr std::int64_t kBf16TileRows = 64;
 
 // Rows of one tile where B is read in place (a multiple of kBf16TileRows).
-constexpr std::int64_t kBf16InPlaceTileRows = 256;
+constexpr std::int64_t kBf16InPlaceTileRows = 1024;
 
 inline std::int64_t bf16_padded_rows(std::int64_t rows) {
   return (rows + kBf16TileRows - 1) / kBf16TileRows * kBf16TileRows;
