@@ -165,7 +165,11 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
       const Bf16Shape shape = buf.bf16_shape(d);
       const Bf16Target both[] = {{b_kv, rows}, {b_gate, rows + C}};
       bool ok = true;
-      if (gemm_row_stable()) {
+      if (gemm_row_stable() && bf16_rows_kernel_applicable(shape, n)) {
+        // 1-8 rows on kvcomp's AVX512-BF16 kernel, x and the weights where they lie.
+        gemm_bf16_rows_kernel(shape, n, static_cast<const std::uint16_t*>(static_cast<const void*>(x_rows)),
+                              both, num_threads);
+      } else if (gemm_row_stable()) {
         // Few rows (decode): padded to 2 in column tiles where the kernel's rows allow it
         // (bf16_short_rows_stable), else to whole 64-row tiles; either gives a row the same bits.
         const std::int64_t n_short = std::max<std::int64_t>(n, 2);

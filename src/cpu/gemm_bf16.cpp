@@ -14,8 +14,10 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "cpu/gemm.hpp"
+#include "cpu/gemm_rows.hpp"
 #include "cpu/isa.hpp"
 
 namespace kvcomp::detail {
@@ -195,6 +197,12 @@ bool bf16_backward_products() {
   return amd;
 }
 
+bool bf16_rows_kernel_available() {
+  static const bool yes = bf16_product_kernel() && !packed_forced() && cpu_has_avx512_bf16() &&
+                          active_isa() >= Isa::avx512 && std::getenv("KVCOMP_BF16_ROWS_KERNEL") == nullptr;
+  return yes;
+}
+
 const char* product_kernels() {
   static const std::string s = [] {
     if (kernel_name().empty())
@@ -204,7 +212,7 @@ const char* product_kernels() {
                            : bf16_backward_products() ? ", precise in f32"
                                                       : ", backward in f32";
     return "bf16 (" + kernel_name() + (packed_forced() ? ", packed B" : "") + backward +
-           ") + f32 (dnnl_sgemm)";
+           (bf16_rows_kernel_available() ? ", 1-8 rows: kvcomp avx512_bf16" : "") + ") + f32 (dnnl_sgemm)";
   }();
   return s.c_str();
 }
@@ -382,6 +390,75 @@ bool gemm_bf16_rows(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
         const std::uint16_t* b_tile = t.cols == s.N ? bb : s.b_transposed ? bb + n0 * s.ldb : bb + n0;
         return Tile{n0 + t.cols <= s.N ? t.full : t.last, a, b_tile, x.c + n0};
       });
+}
+
+}  // namespace kvcomp::detail
+
+namespace kvcomp::detail {
+
+namespace {
+
+// Whether gemm_rows_avx512_bf16 gives, for this K, the bits oneDNN's jit gemm gives (its K blocks and
+// pairing were measured, not documented): 3 rows x 32 columns of values spread over 2^-8 .. 2^8, both
+// ways, on this thread.
+bool rows_kernel_matches_jit(std::int64_t K) {
+  // C's rows strided as the projections' (two products side by side), which is what makes oneDNN take
+  // its jit gemm here.
+  constexpr std::int64_t M = 3, N = 32, ldc = 2 * N;
+  const Bf16Shape probe{N, K, K, ldc, K, true};
+  if (!bf16_short_rows_stable(probe, M)) return false;
+  std::vector<std::uint16_t> a(static_cast<std::size_t>(M * K)), b(static_cast<std::size_t>(N * K));
+  std::uint32_t state = 0x2545F491u + static_cast<std::uint32_t>(K);
+  const auto next = [&state] {  // a bf16 of random sign, exponent 2^-8 .. 2^8 and mantissa
+    state = state * 1664525u + 1013904223u;
+    const std::uint32_t r = state >> 8;
+    return static_cast<std::uint16_t>((r & 0x8000u) | ((127u - 8u + (r >> 7) % 17u) << 7) | (r & 0x7Fu));
+  };
+  for (auto& v : a) v = next();
+  for (auto& v : b) v = next();
+  std::vector<float> want(static_cast<std::size_t>(M * ldc)), got(want.size());
+  const Bf16Target t{b.data(), want.data()};
+  if (!gemm_bf16_rows(probe, M, a.data(), {&t, 1}, false, 1)) return false;
+  for (std::int64_t m = 1; m <= M; ++m) {  // the last m rows
+    gemm_rows_avx512_bf16(m, N, K, a.data() + (M - m) * K, K, b.data(), K, got.data(), ldc);
+    for (std::int64_t i = 0; i < m; ++i)
+      if (std::memcmp(got.data() + i * ldc, want.data() + (M - m + i) * ldc, N * sizeof(float)) != 0)
+        return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+bool bf16_rows_kernel_applicable(const Bf16Shape& s, std::int64_t M) {
+  if (M < 1 || M > kRowsKernelMax || !s.b_transposed || s.N % 16 != 0 || s.K < 1) return false;
+  if (!bf16_rows_kernel_available() || !bf16_short_rows_stable(s, 2)) return false;
+  static std::mutex mu;
+  static std::map<std::int64_t, bool> checked;  // K -> the kernel's order holds
+  const std::lock_guard<std::mutex> lock(mu);
+  const auto it = checked.find(s.K);
+  if (it != checked.end()) return it->second;
+  bool ok = false;
+#pragma omp parallel num_threads(1)
+  {
+    omp_set_num_threads(1);
+    ok = rows_kernel_matches_jit(s.K);
+  }
+  return checked[s.K] = ok;
+}
+
+void gemm_bf16_rows_kernel(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
+                           std::span<const Bf16Target> targets, int num_threads) {
+  const std::int64_t per = (s.N + kBf16TileCols - 1) / kBf16TileCols;
+  const std::int64_t tiles = per * static_cast<std::int64_t>(targets.size());
+#pragma omp parallel for num_threads(static_cast<int>(std::clamp<std::int64_t>(num_threads, 1, tiles))) \
+    schedule(dynamic, 1)
+  for (std::int64_t i = 0; i < tiles; ++i) {
+    const Bf16Target& x = targets[static_cast<std::size_t>(i / per)];
+    const std::int64_t n0 = i % per * kBf16TileCols, nt = std::min(kBf16TileCols, s.N - n0);
+    gemm_rows_avx512_bf16(M, nt, s.K, a, s.lda, static_cast<const std::uint16_t*>(x.b) + n0 * s.ldb, s.ldb,
+                          x.c + n0, s.ldc);
+  }
 }
 
 }  // namespace kvcomp::detail

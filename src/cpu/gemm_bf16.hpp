@@ -72,8 +72,8 @@ bool bf16_split_products();
 bool bf16_backward_products();
 
 // What runs: "f32 (dnnl_sgemm)", or "bf16 (<oneDNN implementation>[, packed
-// B], precise as hi+lo | precise in f32 | backward in f32) + f32
-// (dnnl_sgemm)". "packed B": KVCOMP_BF16_PACKED=1 in the environment packs B
+// B], precise as hi+lo | precise in f32 | backward in f32[, 1-8 rows: kvcomp
+// avx512_bf16]) + f32 (dnnl_sgemm)". "packed B": KVCOMP_BF16_PACKED=1 in the environment packs B
 // into oneDNN's blocked layout even where its kernel would read it in place
 // (AVX512-BF16), so that such a machine tests the code AMX runs (packing,
 // packed prepared weights, 64-row tiles); results stay row-stable and
@@ -154,5 +154,21 @@ bool gemm_bf16_rows(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
 // each machine by tests/python/test_row_stability.py and test_products.py). Decode-sized calls
 // then pad to 2 rows instead of 64. False elsewhere (AMX: packed B, 64-row tiles).
 bool bf16_short_rows_stable(const Bf16Shape& s, std::int64_t M);
+
+// Whether a row-stable call of M rows (1 to 8) runs on kvcomp's own AVX512-BF16 kernel
+// (gemm_rows_avx512_bf16): B stored [N, K] and read in place by oneDNN's jit gemm
+// (bf16_short_rows_stable), N a multiple of 16, the CPU with AVX512-BF16, and the kernel's order
+// matching the jit gemm's for this K (checked once per K and process). Then a decode call's rows need
+// no padding row and its B no packing: the jit gemm packs all of B on each execution, about 3x the
+// time of reading it (docs/performance.md). KVCOMP_BF16_ROWS_KERNEL (any value) in the environment
+// keeps oneDNN for them.
+bool bf16_rows_kernel_applicable(const Bf16Shape& s, std::int64_t M);
+// Whether this process may use that kernel at all (product_kernels() then names it).
+bool bf16_rows_kernel_available();
+
+// The M-row product on that kernel, B's columns cut into tiles of kBf16TileCols dealt to the threads
+// (an element's order does not depend on its tile): the bits gemm_bf16 gives these rows.
+void gemm_bf16_rows_kernel(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
+                           std::span<const Bf16Target> targets, int num_threads);
 
 }  // namespace kvcomp::detail

@@ -81,4 +81,31 @@ void write_panels_avx2(const std::uint16_t* w, std::int64_t ldw, std::int64_t n,
 void gemm_row_avx2_panels(std::int64_t n, std::int64_t k, const float* a, const std::uint16_t* panels,
                           float* c, bool fp16 = false);
 
+// The K blocks of oneDNN 2.6's jit gemm for bf16 operands on AVX512-BF16 (Debian 2.6.3, measured on AMD
+// Zen 5 for K 1-7168, any M and N): one block up to 384; up to 1536 two, the first ceil(K / 2); beyond,
+// blocks of 768 and the rest. Each block's sum starts from zero, its pairs (k, k + 1) counted from the
+// block's start, and the blocks are added to C in order.
+struct Bf16KBlocks {
+  int count = 0;
+  std::int64_t size = 0, k = 0;
+  std::int64_t begin(int i) const { return size * i; }
+  std::int64_t end(int i) const { return i + 1 < count ? size * (i + 1) : k; }
+};
+inline Bf16KBlocks jit_bf16_k_blocks(std::int64_t k) {
+  Bf16KBlocks b;
+  b.k = k;
+  b.size = k <= 384 ? k : k <= 1536 ? (k + 1) / 2 : 768;
+  b.count = static_cast<int>((k + b.size - 1) / b.size);
+  return b;
+}
+
+// C[m, n] = A[m, k] . B[n, k]^T on bf16 A and B with fp32 accumulation, 1 <= m <= kRowsKernelMax, n a
+// multiple of 16, k >= 1 (A row-major with lda, B stored [n, k] with ldb, C row-major with ldc): one
+// vdpbf16ps chain per element and K block of jit_bf16_k_blocks, so each row gets the bits oneDNN's jit
+// gemm gives it in a call of any height, without padding rows or packing B. AVX512-BF16 only
+// (gemm_rows_avx512.cpp); gemm_bf16.cpp checks the order against oneDNN once per K before using it.
+void gemm_rows_avx512_bf16(std::int64_t m, std::int64_t n, std::int64_t k, const std::uint16_t* a,
+                           std::int64_t lda, const std::uint16_t* b, std::int64_t ldb, float* c,
+                           std::int64_t ldc);
+
 }  // namespace kvcomp::detail

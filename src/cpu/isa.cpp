@@ -25,6 +25,12 @@ bool cpu_has_f16c() {
   return __get_cpuid(1, &a, &b, &c, &d) != 0 && (c & bit_F16C) != 0;
 }
 
+bool cpu_has_avx512_bf16() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return detected_isa() == Isa::avx512 && __get_cpuid_count(7, 1, &a, &b, &c, &d) != 0 &&
+         (a & (1u << 5)) != 0;
+}
+
 Isa detected_isa() {
   // __builtin_cpu_supports also checks that the OS saves the wide registers
   // (XGETBV), so a feature it reports can be used.

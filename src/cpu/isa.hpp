@@ -14,6 +14,9 @@ Isa detected_isa();
 // Whether the CPU converts fp16 by F16C (CPUID.1:ECX bit 29; read by cpuid, since clang 14's
 // __builtin_cpu_supports does not know "f16c"). Every AVX2 CPU kvcomp targets has it.
 bool cpu_has_f16c();
+// Whether the CPU has AVX512-BF16 (CPUID.(7,1):EAX bit 5) besides detected_isa() == avx512, read by
+// cpuid for the same reason.
+bool cpu_has_avx512_bf16();
 // min(detected_isa(), KVCOMP_ISA); an unknown KVCOMP_ISA value is ignored
 // with a warning on stderr.
 Isa active_isa();

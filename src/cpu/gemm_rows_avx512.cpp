@@ -1,0 +1,127 @@
+// The AVX512-BF16 kernel for bf16 products of 1-8 rows (gemm_rows.hpp). Compiled with -mavx512f -mavx512bw
+// -mavx512bf16; called only where the CPU has AVX512-BF16 and the order was checked against oneDNN.
+// GCC 12 reports the undefined pass-through operand inside its AVX-512 unpack intrinsics as maybe
+// uninitialized (a false positive of its headers).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+#include "cpu/gemm_rows.hpp"
+
+namespace kvcomp::detail {
+
+namespace {
+
+// The 16 x 16 transpose of 32-bit elements: r[j] = row j in, column j out.
+inline void transpose16x16_epi32(__m512i (&r)[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + j], each 128-bit lane L: rows 4i .. 4i + 3 of column 4L + j
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512i a0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88);
+    const __m512i a1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xDD);
+    const __m512i b0 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
+    const __m512i b1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xDD);
+    r[j] = _mm512_shuffle_i32x4(a0, b0, 0x88);
+    r[8 + j] = _mm512_shuffle_i32x4(a0, b0, 0xDD);
+    r[4 + j] = _mm512_shuffle_i32x4(a1, b1, 0x88);
+    r[12 + j] = _mm512_shuffle_i32x4(a1, b1, 0xDD);
+  }
+}
+
+// acc[m] += the pairs p < np of A[m, k + 2p .. k + 2p + 1] . B[n0 + lane, same], v[p] holding lane j's pair
+// of column j; `odd`: the last pair has one element (the pair's second A value is zero, its B one is).
+template <int M>
+inline void dot_pairs(const std::uint16_t* a, std::int64_t lda, std::int64_t k, const __m512i (&v)[16],
+                      int np,
+                      bool odd, __m512 (&acc)[M]) {
+  for (int p = 0; p < np; ++p) {
+    const bool single = odd && p + 1 == np;
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      std::uint32_t pair;
+      if (single) {
+        pair = a[m * lda + k + 2 * p];
+      } else {
+        std::memcpy(&pair, a + m * lda + k + 2 * p, sizeof pair);
+      }
+      acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)), (__m512bh)v[p]);
+    }
+  }
+}
+
+// acc[m] = the vdpbf16ps chain over the pairs of [k0, k1) (counted from k0) of A[m] . B[n0 + lane], from
+// zero; b points at B[n0, 0].
+template <int M>
+inline void k_block(const std::uint16_t* a, std::int64_t lda, const std::uint16_t* b, std::int64_t ldb,
+                    std::int64_t k0, std::int64_t k1, __m512 (&acc)[M]) {
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  std::int64_t k = k0;
+  __m512i v[16];
+  for (; k + 32 <= k1; k += 32) {
+    for (int j = 0; j < 16; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(b + j * ldb + k + 128), _MM_HINT_T0);
+      v[j] = _mm512_loadu_si512(b + j * ldb + k);
+    }
+    transpose16x16_epi32(v);
+    dot_pairs<M>(a, lda, k, v, 16, false, acc);
+  }
+  if (k < k1) {  // the block's last 1-31 values: the rest of each row masked to zero
+    const int rest = static_cast<int>(k1 - k);
+    const __mmask32 mask = static_cast<__mmask32>((std::uint64_t{1} << rest) - 1);
+    for (int j = 0; j < 16; ++j) v[j] = _mm512_maskz_loadu_epi16(mask, b + j * ldb + k);
+    transpose16x16_epi32(v);
+    dot_pairs<M>(a, lda, k, v, (rest + 1) / 2, rest % 2 != 0, acc);
+  }
+}
+
+template <int M>
+void rows_kernel(std::int64_t n, std::int64_t k, const std::uint16_t* a, std::int64_t lda,
+                 const std::uint16_t* b,
+                 std::int64_t ldb, float* c, std::int64_t ldc) {
+  const Bf16KBlocks blocks = jit_bf16_k_blocks(k);
+  for (std::int64_t n0 = 0; n0 < n; n0 += 16)
+    for (int blk = 0; blk < blocks.count; ++blk) {
+      __m512 acc[M];
+      k_block<M>(a, lda, b + n0 * ldb, ldb, blocks.begin(blk), blocks.end(blk), acc);
+      for (int m = 0; m < M; ++m) {
+        float* cp = c + m * ldc + n0;
+        // The first block's sum is the value, the later ones are added to it in order.
+        _mm512_storeu_ps(cp, blk == 0 ? acc[m] : _mm512_add_ps(_mm512_loadu_ps(cp), acc[m]));
+      }
+    }
+}
+
+template <std::size_t... I>
+void rows_dispatch(std::int64_t m, std::int64_t n, std::int64_t k, const std::uint16_t* a, std::int64_t lda,
+                   const std::uint16_t* b, std::int64_t ldb, float* c, std::int64_t ldc,
+                   std::index_sequence<I...>) {
+  using Fn = void (*)(std::int64_t, std::int64_t, const std::uint16_t*, std::int64_t, const std::uint16_t*,
+                      std::int64_t, float*, std::int64_t);
+  static constexpr Fn kernels[] = {&rows_kernel<static_cast<int>(I) + 1>...};
+  kernels[std::clamp<std::int64_t>(m, 1, sizeof...(I)) - 1](n, k, a, lda, b, ldb, c, ldc);
+}
+
+}  // namespace
+
+void gemm_rows_avx512_bf16(std::int64_t m, std::int64_t n, std::int64_t k, const std::uint16_t* a,
+                           std::int64_t lda, const std::uint16_t* b, std::int64_t ldb, float* c,
+                           std::int64_t ldc) {
+  rows_dispatch(m, n, k, a, lda, b, ldb, c, ldc, std::make_index_sequence<kRowsKernelMax>{});
+}
+
+}  // namespace kvcomp::detail

@@ -1,0 +1,111 @@
+// The AVX512-BF16 kernel for bf16 products of 1-8 rows (src/cpu/gemm_rows.hpp) against oneDNN's jit gemm:
+// every row it computes must carry the bits the jit gemm gives the same row inside a long call (a
+// 256-row tile of a prefill), for every K, column count and row position, on one thread as gemm_bf16
+// calls it. Without AVX512-BF16, or where oneDNN runs another kernel for these shapes (AMX), it reports
+// itself skipped.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <oneapi/dnnl/dnnl.hpp>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "cpu/gemm_rows.hpp"
+#include "cpu/isa.hpp"
+#include "kvcomp/half.hpp"
+
+namespace kvcomp::detail {
+namespace {
+
+using i64 = std::int64_t;
+
+std::vector<std::pair<i64, i64>> blocks_of(i64 k) {
+  const Bf16KBlocks b = jit_bf16_k_blocks(k);
+  std::vector<std::pair<i64, i64>> v;
+  for (int i = 0; i < b.count; ++i) v.emplace_back(b.begin(i), b.end(i));
+  return v;
+}
+
+TEST(GemmRowsBf16, KBlocksOfOneDnnJitGemm) {
+  using V = std::vector<std::pair<i64, i64>>;
+  EXPECT_EQ(blocks_of(1), (V{{0, 1}}));
+  EXPECT_EQ(blocks_of(384), (V{{0, 384}}));
+  EXPECT_EQ(blocks_of(385), (V{{0, 193}, {193, 385}}));
+  EXPECT_EQ(blocks_of(1003), (V{{0, 502}, {502, 1003}}));
+  EXPECT_EQ(blocks_of(1536), (V{{0, 768}, {768, 1536}}));
+  EXPECT_EQ(blocks_of(1537), (V{{0, 768}, {768, 1536}, {1536, 1537}}));
+  const V k4096 = blocks_of(4096);
+  ASSERT_EQ(k4096.size(), 6u);
+  EXPECT_EQ(k4096.back(), (std::pair<i64, i64>{3840, 4096}));
+}
+
+// C[rows, n] (row stride ldc) = A . B^T by oneDNN's matmul on one thread, B stored [n, k] with ldb: the
+// product as gemm_bf16 runs one tile of it. Its implementation's name goes to `impl`.
+void onednn_rows(i64 rows, i64 n, i64 k, const std::uint16_t* a, i64 lda, const std::uint16_t* b, i64 ldb,
+                 float* c, i64 ldc, std::string& impl) {
+  using dt = dnnl::memory::data_type;
+  using dims = dnnl::memory::dims;
+  static dnnl::engine eng(dnnl::engine::kind::cpu, 0);
+  const dnnl::memory::desc ad({rows, k}, dt::bf16, dims{lda, 1}), bd({k, n}, dt::bf16, dims{1, ldb}),
+      cd({rows, n}, dt::f32, dims{ldc, 1});
+  const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(ad, bd, cd), eng);
+  impl = pd.impl_info_str();
+  dnnl::stream st(eng);
+  dnnl::memory am(ad, eng, const_cast<std::uint16_t*>(a)), bm(bd, eng, const_cast<std::uint16_t*>(b)),
+      cm(cd, eng, c);
+  dnnl::matmul(pd).execute(st, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}});
+  st.wait();
+}
+
+// Rows [r0, r0 + m) of a 256-row call against the kernel on the same rows.
+TEST(GemmRowsBf16, EveryRowEqualsItsRowInALongCall) {
+  if (!cpu_has_avx512_bf16()) GTEST_SKIP() << "the CPU lacks AVX512-BF16";
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal;
+  constexpr i64 long_rows = 256;
+  int tested = 0;
+  for (const i64 k : {1, 2, 3, 31, 32, 33, 96, 255, 384, 385, 386, 513, 769, 1003, 1536, 1537, 2000, 4096,
+                      4099, 7168}) {
+    for (const i64 n : {16, 48, 256}) {
+      const i64 lda = k + 3, ldb = k + (k % 5), ldc = 2 * n + 8;  // C strided, as the projections'
+      std::vector<std::uint16_t> a(long_rows * lda), b(n * ldb);
+      // Each row of A its own scale, so that sums cancel at different magnitudes.
+      for (i64 i = 0; i < long_rows; ++i)
+        for (i64 j = 0; j < k; ++j)
+          a[i * lda + j] = float_to_bf16(normal(rng) * static_cast<float>(1 + i % 7));
+      for (auto& v : b) v = float_to_bf16(normal(rng));
+      std::vector<float> ref(long_rows * ldc), out(kRowsKernelMax * ldc);
+      std::string impl;
+      onednn_rows(long_rows, n, k, a.data(), lda, b.data(), ldb, ref.data(), ldc, impl);
+      if (impl != "gemm:jit") continue;  // another kernel for this shape: not the order the kernel has
+      ++tested;
+      for (i64 m = 1; m <= kRowsKernelMax; ++m)
+        for (const i64 r0 : {i64{0}, i64{5}, i64{100}, long_rows - m}) {
+          gemm_rows_avx512_bf16(m, n, k, a.data() + r0 * lda, lda, b.data(), ldb, out.data(), ldc);
+          for (i64 i = 0; i < m; ++i)
+            ASSERT_EQ(std::memcmp(out.data() + i * ldc, ref.data() + (r0 + i) * ldc, n * sizeof(float)), 0)
+                << "K " << k << ", " << n << " columns, rows " << r0 << ".." << r0 + m - 1 << ": row "
+                << r0 + i;
+        }
+    }
+  }
+  if (tested == 0) GTEST_SKIP() << "oneDNN does not run its jit gemm for these shapes here";
+  RecordProperty("shapes_tested", tested);
+}
+
+// The kernel writes C's n columns of its m rows and nothing else.
+TEST(GemmRowsBf16, WritesOnlyItsCells) {
+  if (!cpu_has_avx512_bf16()) GTEST_SKIP() << "the CPU lacks AVX512-BF16";
+  const i64 m = 3, n = 32, k = 100, ldc = 40;
+  std::vector<std::uint16_t> a(m * k, float_to_bf16(1.0f)), b(n * k, float_to_bf16(0.5f));
+  std::vector<float> c(m * ldc + 8, -7.0f);
+  gemm_rows_avx512_bf16(m, n, k, a.data(), k, b.data(), k, c.data(), ldc);
+  for (i64 i = 0; i < static_cast<i64>(c.size()); ++i)
+    EXPECT_EQ(c[i], i < m * ldc && i % ldc < n ? 50.0f : -7.0f) << "float " << i;
+}
+
+}  // namespace
+}  // namespace kvcomp::detail
