@@ -21,16 +21,19 @@ namespace {
 // The 16 x 16 transpose of 32-bit elements: r[j] = row j in, column j out.
 inline void transpose16x16_epi32(__m512i (&r)[16]) {
   __m512i t[16], u[16];
+#pragma GCC unroll 8
   for (int i = 0; i < 8; ++i) {
     t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
     t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
   }
+#pragma GCC unroll 4
   for (int i = 0; i < 4; ++i) {  // u[4i + j], each 128-bit lane L: rows 4i .. 4i + 3 of column 4L + j
     u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
     u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
     u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
     u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
   }
+#pragma GCC unroll 4
   for (int j = 0; j < 4; ++j) {
     const __m512i a0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88);
     const __m512i a1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xDD);
@@ -49,6 +52,7 @@ template <int M>
 inline void dot_pairs(const std::uint16_t* a, std::int64_t lda, std::int64_t k, const __m512i (&v)[16],
                       int np,
                       bool odd, __m512 (&acc)[M]) {
+#pragma GCC unroll 16
   for (int p = 0; p < np; ++p) {
     const bool single = odd && p + 1 == np;
 #pragma GCC unroll 8
@@ -73,6 +77,7 @@ inline void k_block(const std::uint16_t* a, std::int64_t lda, const std::uint16_
   std::int64_t k = k0;
   __m512i v[16];
   for (; k + 32 <= k1; k += 32) {
+#pragma GCC unroll 16
     for (int j = 0; j < 16; ++j) {
       _mm_prefetch(reinterpret_cast<const char*>(b + j * ldb + k + 128), _MM_HINT_T0);
       v[j] = _mm512_loadu_si512(b + j * ldb + k);
