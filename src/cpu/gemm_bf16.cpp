@@ -392,10 +392,6 @@ bool gemm_bf16_rows(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
       });
 }
 
-}  // namespace kvcomp::detail
-
-namespace kvcomp::detail {
-
 namespace {
 
 // Whether gemm_rows_avx512_bf16 gives, for this K, the bits oneDNN's jit gemm gives (its K blocks and
