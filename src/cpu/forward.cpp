@@ -167,8 +167,9 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
       bool ok = true;
       if (gemm_row_stable() && bf16_rows_kernel_applicable(shape, n)) {
         // 1-8 rows on kvcomp's AVX512-BF16 kernel, x and the weights where they lie.
+        const std::uint16_t* const panels[] = {prepared.kv_panels, prepared.gate_panels};
         gemm_bf16_rows_kernel(shape, n, static_cast<const std::uint16_t*>(static_cast<const void*>(x_rows)),
-                              both, num_threads);
+                              both, num_threads, prepared.kv_panels ? panels : nullptr);
       } else if (gemm_row_stable()) {
         // Few rows (decode): padded to 2 in column tiles where the kernel's rows allow it
         // (bf16_short_rows_stable), else to whole 64-row tiles; either gives a row the same bits.

@@ -443,8 +443,18 @@ bool bf16_rows_kernel_applicable(const Bf16Shape& s, std::int64_t M) {
   return checked[s.K] = ok;
 }
 
+bool bf16_decode_panels_wanted() {
+  static const bool yes = [] {
+    const char* v = std::getenv("KVCOMP_DECODE_PANELS");
+    return bf16_rows_kernel_available() && (v == nullptr || v[0] != '0');
+  }();
+  return yes;
+}
+
 void gemm_bf16_rows_kernel(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
-                           std::span<const Bf16Target> targets, int num_threads) {
+                           std::span<const Bf16Target> targets, int num_threads,
+                           const std::uint16_t* const* panels) {
+  const std::int64_t group = 32 * bf16_panel_pairs(s.K);  // bf16 values of one 16-column group
   const std::int64_t per = (s.N + kBf16TileCols - 1) / kBf16TileCols;
   const std::int64_t tiles = per * static_cast<std::int64_t>(targets.size());
 #pragma omp parallel for num_threads(static_cast<int>(std::clamp<std::int64_t>(num_threads, 1, tiles))) \
@@ -452,8 +462,11 @@ void gemm_bf16_rows_kernel(const Bf16Shape& s, std::int64_t M, const std::uint16
   for (std::int64_t i = 0; i < tiles; ++i) {
     const Bf16Target& x = targets[static_cast<std::size_t>(i / per)];
     const std::int64_t n0 = i % per * kBf16TileCols, nt = std::min(kBf16TileCols, s.N - n0);
-    gemm_rows_avx512_bf16(M, nt, s.K, a, s.lda, static_cast<const std::uint16_t*>(x.b) + n0 * s.ldb, s.ldb,
-                          x.c + n0, s.ldc);
+    if (panels)
+      gemm_rows_avx512_bf16_panels(M, nt, s.K, a, s.lda, panels[i / per] + n0 / 16 * group, x.c + n0, s.ldc);
+    else
+      gemm_rows_avx512_bf16(M, nt, s.K, a, s.lda, static_cast<const std::uint16_t*>(x.b) + n0 * s.ldb, s.ldb,
+                            x.c + n0, s.ldc);
   }
 }
 

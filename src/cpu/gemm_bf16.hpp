@@ -168,7 +168,14 @@ bool bf16_rows_kernel_available();
 
 // The M-row product on that kernel, B's columns cut into tiles of kBf16TileCols dealt to the threads
 // (an element's order does not depend on its tile): the bits gemm_bf16 gives these rows.
+// `panels` (optional): the AVX-512 decode panels of each target's B (write_panels_avx512_bf16, from
+// column 0), read instead of B: the same bits without the kernel's register transposes.
 void gemm_bf16_rows_kernel(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
-                           std::span<const Bf16Target> targets, int num_threads);
+                           std::span<const Bf16Target> targets, int num_threads,
+                           const std::uint16_t* const* panels = nullptr);
+
+// Whether prepared weights of bf16 io hold AVX-512 decode panels for that kernel: where it may run and
+// KVCOMP_DECODE_PANELS is not 0.
+bool bf16_decode_panels_wanted();
 
 }  // namespace kvcomp::detail

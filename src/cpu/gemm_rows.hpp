@@ -104,6 +104,19 @@ inline Bf16KBlocks jit_bf16_k_blocks(std::int64_t k) {
 // vdpbf16ps chain per element and K block of jit_bf16_k_blocks, so each row gets the bits oneDNN's jit
 // gemm gives it in a call of any height, without padding rows or packing B. AVX512-BF16 only
 // (gemm_rows_avx512.cpp); gemm_bf16.cpp checks the order against oneDNN once per K before using it.
+// AVX-512 decode panels: a bf16 matrix B [n, k] (n a multiple of 16) stored pre-transposed for
+// gemm_rows_avx512_bf16_panels, so that a row's product loads each pair of 16 columns as one vector:
+// per 16-column group (group g at element 32 g bf16_panel_pairs(k)), per K block of jit_bf16_k_blocks,
+// per pair (k0 + 2p, k0 + 2p + 1) of the block, the 16 columns' two values side by side (the second
+// zero past the block's end): 64 bytes per pair.
+std::int64_t bf16_panel_pairs(std::int64_t k);
+// Writes the panels of w [n, k] (row stride ldw) into out (32 n / 16 bf16_panel_pairs(k) elements).
+void write_panels_avx512_bf16(const std::uint16_t* w, std::int64_t ldw, std::int64_t n, std::int64_t k,
+                              std::uint16_t* out);
+// gemm_rows_avx512_bf16 on B's panels (those of its columns [0, n), from group 0): the same bits.
+void gemm_rows_avx512_bf16_panels(std::int64_t m, std::int64_t n, std::int64_t k, const std::uint16_t* a,
+                                  std::int64_t lda, const std::uint16_t* panels, float* c, std::int64_t ldc);
+
 void gemm_rows_avx512_bf16(std::int64_t m, std::int64_t n, std::int64_t k, const std::uint16_t* a,
                            std::int64_t lda, const std::uint16_t* b, std::int64_t ldb, float* c,
                            std::int64_t ldc);

@@ -1,5 +1,6 @@
 #include "cpu/prepared.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 
@@ -7,6 +8,7 @@
 #include "cpu/convert.hpp"
 #include "cpu/gemm.hpp"
 #include "cpu/gemm_bf16.hpp"
+#include "cpu/gemm_rows.hpp"
 
 namespace kvcomp::detail {
 
@@ -29,11 +31,22 @@ static_assert(sizeof(Header) <= kPreparedHeaderBytes);
 // FNV-1a of the product kernels' description (stable across runs of one build on one machine), up to
 // a "; " note: the AVX2 rows kernel ("; 1-8 rows: ...") reads the same fp32 rows as sgemm, so a blob
 // does not depend on whether it runs (KVCOMP_ISA, KVCOMP_ROW_STABLE).
+// Likewise without the AVX512-BF16 rows kernel's note (", 1-8 rows: ..."): it reads B where it lies or
+// the blob's optional panels, which give the same bits.
 std::uint64_t kernels_hash() {
+  std::string k = product_kernels();
+  k = k.substr(0, k.find(';'));
+  const std::size_t note = k.find(", 1-8 rows");
+  if (note != std::string::npos) k.erase(note, k.find(')', note) - note);
   std::uint64_t h = 1469598103934665603ull;
-  for (const char* p = product_kernels(); *p && *p != ';'; ++p)
-    h = (h ^ static_cast<unsigned char>(*p)) * 1099511628211ull;
+  for (const char ch : k) h = (h ^ static_cast<unsigned char>(ch)) * 1099511628211ull;
   return h;
+}
+
+// The AVX-512 decode panels' bytes that bf16 weights [C, H] may have in an in_place blob.
+std::size_t possible_bf16_panel_bytes(std::int64_t C, std::int64_t H) {
+  if (C % 16 != 0) return 0;
+  return static_cast<std::size_t>(2 * (C / 16) * 32 * bf16_panel_pairs(H)) * sizeof(std::uint16_t);
 }
 
 // The decode panels' bytes that weights [C, H] of dtype io may have in an f32 blob (gemm.hpp), whether or
@@ -54,8 +67,9 @@ bool prepared_layout(DType io, std::int64_t C, std::int64_t H, PreparedLayout* o
   if (io == DType::bf16 && bf16_product_kernel()) {
     const Bf16Plan p = bf16_plan(projection_shape(C, H));
     if (!p.ok) return false;
+    const std::size_t panels = bf16_decode_panels_wanted() ? possible_bf16_panel_bytes(C, H) : 0;
     *out = p.packed_bytes > 0 ? PreparedLayout{PreparedKind::packed, 2 * p.packed_bytes}
-                              : PreparedLayout{PreparedKind::in_place, 0};
+                              : PreparedLayout{PreparedKind::in_place, panels, panels};
     return true;
   }
   const std::size_t panel_bytes = decode_panels_wanted(io == DType::f16) ? possible_panel_bytes(io, C, H) : 0;
@@ -74,6 +88,13 @@ Status write_prepared(const Tensor& wkv, const Tensor& wgate, const PreparedLayo
         {static_cast<const std::uint16_t*>(wgate.data), data + layout.data_bytes / 2}};
     if (!bf16_pack_b(projection_shape(C, H), jobs, 2, num_threads))
       return {StatusCode::runtime_error, "[kvcomp] oneDNN reorder of the bf16 weights failed"};
+  } else if (layout.kind == PreparedKind::in_place && layout.panel_bytes > 0) {
+    auto* panels = reinterpret_cast<std::uint16_t*>(data);
+    const std::size_t per = layout.panel_bytes / 2 / sizeof(std::uint16_t);
+    const Tensor* w[] = {&wkv, &wgate};
+#pragma omp parallel for num_threads(std::max(1, std::min(num_threads, 2)))
+    for (int i = 0; i < 2; ++i)
+      write_panels_avx512_bf16(static_cast<const std::uint16_t*>(w[i]->data), H, C, H, panels + i * per);
   } else if (layout.kind == PreparedKind::f32) {
     const std::int64_t ld = padded_ld(H);
     auto* w = reinterpret_cast<float*>(data);
@@ -117,8 +138,11 @@ Status check_prepared(const void* blob, std::size_t bytes, DType io, std::int64_
   // Decode panels are optional (KVCOMP_DECODE_PANELS=0 where the blob was written, or here): a blob
   // with or without them serves, the forward reads them only where present.
   const std::size_t rows_bytes = want.data_bytes - want.panel_bytes;
-  const bool panels_ok = h.panel_bytes == 0 ||
-                         (want.kind == PreparedKind::f32 && h.panel_bytes == possible_panel_bytes(io, C, H));
+  const bool panels_ok =
+      h.panel_bytes == 0 ||
+      (want.kind == PreparedKind::f32 && h.panel_bytes == possible_panel_bytes(io, C, H)) ||
+      (want.kind == PreparedKind::in_place && io == DType::bf16 &&
+       h.panel_bytes == possible_bf16_panel_bytes(C, H));
   if (h.kernels != kernels_hash() || h.kind != static_cast<std::uint32_t>(want.kind) || !panels_ok ||
       h.data_bytes != rows_bytes + h.panel_bytes)
     return invalid(what + "must be prepared on this machine with these product kernels (" +
@@ -131,8 +155,15 @@ Status check_prepared(const void* blob, std::size_t bytes, DType io, std::int64_
 PreparedView prepared_view(const void* blob) {
   Header h{};
   std::memcpy(&h, blob, sizeof h);
-  if (h.kind == static_cast<std::uint32_t>(PreparedKind::in_place)) return {};
   const auto* data = static_cast<const unsigned char*>(blob) + kPreparedHeaderBytes;
+  if (h.kind == static_cast<std::uint32_t>(PreparedKind::in_place)) {  // AVX-512 decode panels or nothing
+    PreparedView v;
+    if (h.panel_bytes > 0) {
+      v.kv_panels = reinterpret_cast<const std::uint16_t*>(data);
+      v.gate_panels = v.kv_panels + h.panel_bytes / 2 / sizeof(std::uint16_t);
+    }
+    return v;
+  }
   const std::size_t rows_bytes = h.data_bytes - h.panel_bytes;
   PreparedView v{data, data + rows_bytes / 2};  // two matrices of one size each
   if (h.panel_bytes > 0) {

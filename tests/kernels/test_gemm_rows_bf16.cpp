@@ -96,6 +96,60 @@ TEST(GemmRowsBf16, EveryRowEqualsItsRowInALongCall) {
   RecordProperty("shapes_tested", tested);
 }
 
+// The decode panels give the kernel's bits: 1-8 rows, K across the block rules, 16 to 256 columns, a
+// column range that starts at a later group (as gemm_bf16_rows_kernel's tiles read them).
+TEST(GemmRowsBf16, PanelsGiveTheBitsOfTheRows) {
+  if (!cpu_has_avx512_bf16()) GTEST_SKIP() << "the CPU lacks AVX512-BF16";
+  std::mt19937 rng(12);
+  std::normal_distribution<float> normal;
+  for (const i64 k : {1, 2, 31, 32, 33, 385, 1003, 1537, 4099})
+    for (const i64 n : {16, 48, 256}) {
+      const i64 lda = k + 1, ldc = n + 8;
+      std::vector<std::uint16_t> a(kRowsKernelMax * lda), b(n * k);
+      for (auto& v : a) v = float_to_bf16(normal(rng));
+      for (auto& v : b) v = float_to_bf16(normal(rng));
+      const i64 group = 32 * bf16_panel_pairs(k);  // bf16 values of one 16-column group
+      std::vector<std::uint16_t> panels(n / 16 * group);
+      write_panels_avx512_bf16(b.data(), k, n, k, panels.data());
+      std::vector<float> want(kRowsKernelMax * ldc), got(want.size());
+      for (i64 m = 1; m <= kRowsKernelMax; ++m) {
+        gemm_rows_avx512_bf16(m, n, k, a.data(), lda, b.data(), k, want.data(), ldc);
+        gemm_rows_avx512_bf16_panels(m, n, k, a.data(), lda, panels.data(), got.data(), ldc);
+        for (i64 i = 0; i < m; ++i)
+          ASSERT_EQ(std::memcmp(got.data() + i * ldc, want.data() + i * ldc, n * sizeof(float)), 0)
+              << "K " << k << ", " << n << " columns, " << m << " rows: row " << i;
+        if (n > 16) {  // columns [16, n) from the second group on
+          gemm_rows_avx512_bf16_panels(m, n - 16, k, a.data(), lda, panels.data() + group, got.data(), ldc);
+          for (i64 i = 0; i < m; ++i)
+            ASSERT_EQ(
+                std::memcmp(got.data() + i * ldc, want.data() + i * ldc + 16, (n - 16) * sizeof(float)), 0)
+                << "K " << k << ", columns 16.." << n << ", " << m << " rows: row " << i;
+        }
+      }
+    }
+}
+
+// The panels of a matrix hold what the layout says: pair p of group g's block at (g, p).
+TEST(GemmRowsBf16, PanelLayout) {
+  if (!cpu_has_avx512_bf16()) GTEST_SKIP() << "the CPU lacks AVX512-BF16";
+  const i64 n = 32, k = 385;  // two blocks: [0, 193) and [193, 385), 97 + 96 pairs
+  std::vector<std::uint16_t> b(n * k);
+  for (i64 i = 0; i < n * k; ++i) b[i] = static_cast<std::uint16_t>(i % 65521 + 1);
+  ASSERT_EQ(bf16_panel_pairs(k), 97 + 96);
+  std::vector<std::uint16_t> panels(n / 16 * 32 * bf16_panel_pairs(k));
+  write_panels_avx512_bf16(b.data(), k, n, k, panels.data());
+  const auto at = [&](i64 g, i64 pair, i64 lane, i64 half) {
+    return panels[(g * bf16_panel_pairs(k) + pair) * 32 + 2 * lane + half];
+  };
+  EXPECT_EQ(at(0, 0, 0, 0), b[0]);
+  EXPECT_EQ(at(0, 0, 0, 1), b[1]);
+  EXPECT_EQ(at(1, 3, 5, 1), b[(16 + 5) * k + 7]);
+  EXPECT_EQ(at(0, 96, 2, 0), b[2 * k + 192]);  // the first block's last pair: one value
+  EXPECT_EQ(at(0, 96, 2, 1), 0);
+  EXPECT_EQ(at(1, 97, 4, 0), b[(16 + 4) * k + 193]);  // the second block's pairs start at 193
+  EXPECT_EQ(at(1, 97, 4, 1), b[(16 + 4) * k + 194]);
+}
+
 // The kernel writes C's n columns of its m rows and nothing else.
 TEST(GemmRowsBf16, WritesOnlyItsCells) {
   if (!cpu_has_avx512_bf16()) GTEST_SKIP() << "the CPU lacks AVX512-BF16";

@@ -153,6 +153,51 @@ def test_prepared_weights_serve_with_and_without_decode_panels(tmp_path):
     assert same == "True" and float(total) == outs[0][0].float().sum().item()
 
 
+@pytest.mark.skipif("1-8 rows: kvcomp avx512_bf16" not in kvcomp.product_kernels(),
+                    reason="no AVX512-BF16 rows kernel here (no AVX-512 decode panels)")
+def test_prepared_bf16_weights_serve_with_and_without_avx512_panels(tmp_path):
+    """On AVX512-BF16 a blob of bf16 weights holds them pre-transposed for the rows kernel (per 16 columns
+    and pair of a K block, 64 bytes; at H = 1003 two blocks of 502 and 501, 251 + 251 pairs);
+    KVCOMP_DECODE_PANELS=0 leaves them out. Either blob serves, also where the kernel is off
+    (KVCOMP_BF16_ROWS_KERNEL=1), with the bits of the call without a blob, for 1 to 8 tokens."""
+    C, Hs = 48, 1003
+    code = ("import torch, kvcomp; g = torch.Generator().manual_seed(6); "
+            f"w = (torch.randn(2, {C}, {Hs}, generator=g) / 8).bfloat16(); "
+            "print(kvcomp.prepare_weights(w[0], w[1]).numpy().tobytes().hex())")
+    lean = torch.frombuffer(bytearray.fromhex(_child(code, KVCOMP_DECODE_PANELS="0")), dtype=torch.uint8)
+    g = torch.Generator().manual_seed(6)
+    w = (torch.randn(2, C, Hs, generator=g) / 8).bfloat16()
+    own = kvcomp.prepare_weights(w[0], w[1])
+    assert lean.numel() == 64
+    assert own.numel() == 64 + 2 * (C // 16) * (251 + 251) * 64
+    path = tmp_path / "blob.bin"
+    path.write_bytes(own.numpy().tobytes())
+    for tokens in (1, 3, 8):
+        x = torch.randn(tokens, 1, Hs, generator=g).bfloat16()
+        ape = torch.randn(4, C, generator=g)
+        outs = []
+        for blob in (None, lean, own):
+            cache = torch.zeros(1 + tokens, 8, 2 * C)
+            table = torch.arange(1, tokens + 1, dtype=torch.int32)[:, None]
+            out = kvcomp.compressor_forward(x, w[0], w[1], cache, ape, 4, state_block_table=table, coff=1,
+                                            start_pos=torch.full((tokens,), 3, dtype=torch.int32),
+                                            prepared_weights=blob)[0]
+            outs.append((out, cache))
+        for out, cache in outs[1:]:
+            assert torch.equal(out, outs[0][0]) and torch.equal(cache, outs[0][1]), tokens
+    # This process's blob (with panels) where the kernel is off.
+    check = ("import torch, kvcomp; g = torch.Generator().manual_seed(6); "
+             f"w = (torch.randn(2, {C}, {Hs}, generator=g) / 8).bfloat16(); "
+             f"blob = torch.frombuffer(bytearray(open({str(path)!r}, 'rb').read()), dtype=torch.uint8); "
+             f"x = torch.randn(1, 1, {Hs}, generator=g).bfloat16(); ape = torch.randn(4, {C}, generator=g); "
+             "outs = [kvcomp.compressor_forward(x, w[0], w[1], torch.zeros(2, 8, 96), ape, 4, "
+             "state_block_table=torch.tensor([[1]], dtype=torch.int32), coff=1, "
+             "start_pos=torch.tensor([3], dtype=torch.int32), prepared_weights=b)[0] for b in (None, blob)]; "
+             "print(torch.equal(outs[0], outs[1]), kvcomp.product_kernels())")
+    out = _child(check, KVCOMP_BF16_ROWS_KERNEL="1")
+    assert out.startswith("True ") and "1-8 rows" not in out, out
+
+
 def test_row_stability_off_keeps_sgemm_alone():
     """KVCOMP_ROW_STABLE=0: no padding to keep rows alike, so no own kernel either."""
     assert _child(_NAME, KVCOMP_ROW_STABLE="0", KVCOMP_PRODUCTS="f32") == _F32
