@@ -113,19 +113,40 @@ def test_prepared_weights_serve_with_and_without_the_rows_kernel():
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
+def _weights_and_blobs(C, Hs, seed):
+    """bf16 weights [2, C, Hs] drawn from `seed`, the generator after them, and the weights' blob prepared
+    in a child process with KVCOMP_DECODE_PANELS=0 ("lean") and here ("own")."""
+    code = (f"import torch, kvcomp; g = torch.Generator().manual_seed({seed}); "
+            f"w = (torch.randn(2, {C}, {Hs}, generator=g) / 8).bfloat16(); "
+            "print(kvcomp.prepare_weights(w[0], w[1]).numpy().tobytes().hex())")
+    lean = torch.frombuffer(bytearray.fromhex(_child(code, KVCOMP_DECODE_PANELS="0")), dtype=torch.uint8)
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(2, C, Hs, generator=g) / 8).bfloat16()
+    return g, w, lean, kvcomp.prepare_weights(w[0], w[1])
+
+
+def _blob_served_elsewhere(C, Hs, seed, path, tail, **env):
+    """Runs, in a child process with `env`, a one-token call on the weights of _weights_and_blobs(C, Hs,
+    seed) without a blob and with the blob stored at `path`; prints whether both give the same bits,
+    then `tail` (an expression)."""
+    check = (f"import torch, kvcomp; g = torch.Generator().manual_seed({seed}); "
+             f"w = (torch.randn(2, {C}, {Hs}, generator=g) / 8).bfloat16(); "
+             f"blob = torch.frombuffer(bytearray(open({str(path)!r}, 'rb').read()), dtype=torch.uint8); "
+             f"x = torch.randn(1, 1, {Hs}, generator=g).bfloat16(); ape = torch.randn(4, {C}, generator=g); "
+             f"outs = [kvcomp.compressor_forward(x, w[0], w[1], torch.zeros(2, 8, {2 * C}), ape, 4, "
+             "state_block_table=torch.tensor([[1]], dtype=torch.int32), coff=1, "
+             "start_pos=torch.tensor([3], dtype=torch.int32), prepared_weights=b)[0] for b in (None, blob)]; "
+             f"print(torch.equal(outs[0], outs[1]), {tail})")
+    return _child(check, **env)
+
+
 @pytest.mark.skipif(not AVX2_SGEMM, reason="oneDNN runs no AVX2 sgemm here (no decode panels)")
 def test_prepared_weights_serve_with_and_without_decode_panels(tmp_path):
     """Here a blob of bf16 weights also holds them as decode panels for one-token calls (2 * C * H bf16
     more); KVCOMP_DECODE_PANELS=0 leaves them out. Either blob serves either process, with the bits of
     the call without a blob."""
     C, Hs = 48, 1003
-    code = ("import torch, kvcomp; g = torch.Generator().manual_seed(5); "
-            f"w = (torch.randn(2, {C}, {Hs}, generator=g) / 8).bfloat16(); "
-            "print(kvcomp.prepare_weights(w[0], w[1]).numpy().tobytes().hex())")
-    lean = torch.frombuffer(bytearray.fromhex(_child(code, KVCOMP_DECODE_PANELS="0")), dtype=torch.uint8)
-    g = torch.Generator().manual_seed(5)
-    w = (torch.randn(2, C, Hs, generator=g) / 8).bfloat16()
-    own = kvcomp.prepare_weights(w[0], w[1])
+    g, w, lean, own = _weights_and_blobs(C, Hs, 5)
     assert own.numel() - lean.numel() == 2 * C * Hs * 2
     x = torch.randn(1, 1, Hs, generator=g).bfloat16()
     ape = torch.randn(4, C, generator=g)
@@ -141,15 +162,8 @@ def test_prepared_weights_serve_with_and_without_decode_panels(tmp_path):
     # The other way round: this process's blob (with panels) in a process without them.
     path = tmp_path / "blob.bin"
     path.write_bytes(own.numpy().tobytes())
-    check = ("import torch, kvcomp; g = torch.Generator().manual_seed(5); "
-             f"w = (torch.randn(2, {C}, {Hs}, generator=g) / 8).bfloat16(); "
-             f"blob = torch.frombuffer(bytearray(open({str(path)!r}, 'rb').read()), dtype=torch.uint8); "
-             f"x = torch.randn(1, 1, {Hs}, generator=g).bfloat16(); ape = torch.randn(4, {C}, generator=g); "
-             "outs = [kvcomp.compressor_forward(x, w[0], w[1], torch.zeros(2, 8, 96), ape, 4, "
-             "state_block_table=torch.tensor([[1]], dtype=torch.int32), coff=1, "
-             "start_pos=torch.tensor([3], dtype=torch.int32), prepared_weights=b)[0] for b in (None, blob)]; "
-             "print(torch.equal(outs[0], outs[1]), outs[0].float().sum().item())")
-    same, total = _child(check, KVCOMP_DECODE_PANELS="0").split()
+    same, total = _blob_served_elsewhere(C, Hs, 5, path, "outs[0].float().sum().item()",
+                                         KVCOMP_DECODE_PANELS="0").split()
     assert same == "True" and float(total) == outs[0][0].float().sum().item()
 
 
@@ -161,13 +175,7 @@ def test_prepared_bf16_weights_serve_with_and_without_avx512_panels(tmp_path):
     KVCOMP_DECODE_PANELS=0 leaves them out. Either blob serves, also where the kernel is off
     (KVCOMP_BF16_ROWS_KERNEL=1), with the bits of the call without a blob, for 1 to 8 tokens."""
     C, Hs = 48, 1003
-    code = ("import torch, kvcomp; g = torch.Generator().manual_seed(6); "
-            f"w = (torch.randn(2, {C}, {Hs}, generator=g) / 8).bfloat16(); "
-            "print(kvcomp.prepare_weights(w[0], w[1]).numpy().tobytes().hex())")
-    lean = torch.frombuffer(bytearray.fromhex(_child(code, KVCOMP_DECODE_PANELS="0")), dtype=torch.uint8)
-    g = torch.Generator().manual_seed(6)
-    w = (torch.randn(2, C, Hs, generator=g) / 8).bfloat16()
-    own = kvcomp.prepare_weights(w[0], w[1])
+    g, w, lean, own = _weights_and_blobs(C, Hs, 6)
     assert lean.numel() == 64
     assert own.numel() == 64 + 2 * (C // 16) * (251 + 251) * 64
     path = tmp_path / "blob.bin"
@@ -186,15 +194,7 @@ def test_prepared_bf16_weights_serve_with_and_without_avx512_panels(tmp_path):
         for out, cache in outs[1:]:
             assert torch.equal(out, outs[0][0]) and torch.equal(cache, outs[0][1]), tokens
     # This process's blob (with panels) where the kernel is off.
-    check = ("import torch, kvcomp; g = torch.Generator().manual_seed(6); "
-             f"w = (torch.randn(2, {C}, {Hs}, generator=g) / 8).bfloat16(); "
-             f"blob = torch.frombuffer(bytearray(open({str(path)!r}, 'rb').read()), dtype=torch.uint8); "
-             f"x = torch.randn(1, 1, {Hs}, generator=g).bfloat16(); ape = torch.randn(4, {C}, generator=g); "
-             "outs = [kvcomp.compressor_forward(x, w[0], w[1], torch.zeros(2, 8, 96), ape, 4, "
-             "state_block_table=torch.tensor([[1]], dtype=torch.int32), coff=1, "
-             "start_pos=torch.tensor([3], dtype=torch.int32), prepared_weights=b)[0] for b in (None, blob)]; "
-             "print(torch.equal(outs[0], outs[1]), kvcomp.product_kernels())")
-    out = _child(check, KVCOMP_BF16_ROWS_KERNEL="1")
+    out = _blob_served_elsewhere(C, Hs, 6, path, "kvcomp.product_kernels()", KVCOMP_BF16_ROWS_KERNEL="1")
     assert out.startswith("True ") and "1-8 rows" not in out, out
 
 
