@@ -427,20 +427,32 @@ bool rows_kernel_matches_jit(std::int64_t K) {
 }  // namespace
 
 bool bf16_rows_kernel_applicable(const Bf16Shape& s, std::int64_t M) {
-  if (M < 1 || M > kRowsKernelMax || !s.b_transposed || s.N % 16 != 0 || s.K < 1) return false;
-  if (!bf16_rows_kernel_available() || !bf16_short_rows_stable(s, 2)) return false;
+  if (M < 1 || M > kRowsKernelMax || !s.b_transposed || s.N % 16 != 0 || s.K < 1 ||
+      !bf16_rows_kernel_available())
+    return false;
+  // Decided once per shape (a decode call's is the same every time): oneDNN's jit gemm reads this B in
+  // place, and the kernel's order matches it for this K (checked once per K).
   static std::mutex mu;
-  static std::map<std::int64_t, bool> checked;  // K -> the kernel's order holds
+  using ShapeKey = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t>;
+  static std::map<ShapeKey, bool> shapes;
+  static std::map<std::int64_t, bool> orders;  // K -> the kernel's order holds
   const std::lock_guard<std::mutex> lock(mu);
-  const auto it = checked.find(s.K);
-  if (it != checked.end()) return it->second;
-  bool ok = false;
+  const auto key = std::make_tuple(s.N, s.K, s.lda, s.ldc, s.ldb);
+  if (const auto it = shapes.find(key); it != shapes.end()) return it->second;
+  bool ok = bf16_short_rows_stable(s, 2);
+  if (ok) {
+    if (const auto it = orders.find(s.K); it != orders.end()) {
+      ok = it->second;
+    } else {
 #pragma omp parallel num_threads(1)
-  {
-    omp_set_num_threads(1);
-    ok = rows_kernel_matches_jit(s.K);
+      {
+        omp_set_num_threads(1);
+        ok = rows_kernel_matches_jit(s.K);
+      }
+      orders[s.K] = ok;
+    }
   }
-  return checked[s.K] = ok;
+  return shapes[key] = ok;
 }
 
 bool bf16_decode_panels_wanted() {

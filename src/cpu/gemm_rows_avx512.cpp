@@ -46,23 +46,39 @@ inline void transpose16x16_epi32(__m512i (&r)[16]) {
   }
 }
 
+// A's pair (k, k + 1) of one row as vdpbf16ps takes it; `single`: only a[k] (the pair ends its block).
+inline std::uint32_t a_pair(const std::uint16_t* row, std::int64_t k, bool single) {
+  std::uint32_t pair = row[k];
+  if (!single) std::memcpy(&pair, row + k, sizeof pair);
+  return pair;
+}
+
+// v[p] = the pairs of [k, k + len) (len <= 32) of 16 rows of B (b at B[n0, 0]) as vdpbf16ps takes them:
+// lane j the pair of row j, values past len zero.
+inline void load_pairs_masked(const std::uint16_t* b, std::int64_t ldb, std::int64_t k, std::int64_t len,
+                              __m512i (&v)[16]) {
+  const __mmask32 mask = static_cast<__mmask32>((std::uint64_t{1} << len) - 1);
+  for (int j = 0; j < 16; ++j) v[j] = _mm512_maskz_loadu_epi16(mask, b + j * ldb + k);
+  transpose16x16_epi32(v);
+}
+
+// A K block's sums into C's 16 columns at cp: the first block's sum is the value, the later ones are
+// added to it in order.
+inline void store_block_sum(float* cp, int blk, __m512 acc) {
+  _mm512_storeu_ps(cp, blk == 0 ? acc : _mm512_add_ps(_mm512_loadu_ps(cp), acc));
+}
+
 // acc[m] += the pairs p < np of A[m, k + 2p .. k + 2p + 1] . B[n0 + lane, same], v[p] holding lane j's pair
 // of column j; `odd`: the last pair has one element (the pair's second A value is zero, its B one is).
 template <int M>
 inline void dot_pairs(const std::uint16_t* a, std::int64_t lda, std::int64_t k, const __m512i (&v)[16],
-                      int np,
-                      bool odd, __m512 (&acc)[M]) {
+                      int np, bool odd, __m512 (&acc)[M]) {
 #pragma GCC unroll 16
   for (int p = 0; p < np; ++p) {
     const bool single = odd && p + 1 == np;
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
-      std::uint32_t pair;
-      if (single) {
-        pair = a[m * lda + k + 2 * p];
-      } else {
-        std::memcpy(&pair, a + m * lda + k + 2 * p, sizeof pair);
-      }
+      const std::uint32_t pair = a_pair(a + m * lda, k + 2 * p, single);
       acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)), (__m512bh)v[p]);
     }
   }
@@ -87,27 +103,20 @@ inline void k_block(const std::uint16_t* a, std::int64_t lda, const std::uint16_
   }
   if (k < k1) {  // the block's last 1-31 values: the rest of each row masked to zero
     const int rest = static_cast<int>(k1 - k);
-    const __mmask32 mask = static_cast<__mmask32>((std::uint64_t{1} << rest) - 1);
-    for (int j = 0; j < 16; ++j) v[j] = _mm512_maskz_loadu_epi16(mask, b + j * ldb + k);
-    transpose16x16_epi32(v);
+    load_pairs_masked(b, ldb, k, rest, v);
     dot_pairs<M>(a, lda, k, v, (rest + 1) / 2, rest % 2 != 0, acc);
   }
 }
 
 template <int M>
 void rows_kernel(std::int64_t n, std::int64_t k, const std::uint16_t* a, std::int64_t lda,
-                 const std::uint16_t* b,
-                 std::int64_t ldb, float* c, std::int64_t ldc) {
+                 const std::uint16_t* b, std::int64_t ldb, float* c, std::int64_t ldc) {
   const Bf16KBlocks blocks = jit_bf16_k_blocks(k);
   for (std::int64_t n0 = 0; n0 < n; n0 += 16)
     for (int blk = 0; blk < blocks.count; ++blk) {
       __m512 acc[M];
       k_block<M>(a, lda, b + n0 * ldb, ldb, blocks.begin(blk), blocks.end(blk), acc);
-      for (int m = 0; m < M; ++m) {
-        float* cp = c + m * ldc + n0;
-        // The first block's sum is the value, the later ones are added to it in order.
-        _mm512_storeu_ps(cp, blk == 0 ? acc[m] : _mm512_add_ps(_mm512_loadu_ps(cp), acc[m]));
-      }
+      for (int m = 0; m < M; ++m) store_block_sum(c + m * ldc + n0, blk, acc[m]);
     }
 }
 
@@ -123,13 +132,7 @@ inline void panel_block(const std::uint16_t* a, std::int64_t lda, std::int64_t k
   for (std::int64_t p = 0; p < np; ++p) {
     const bool single = odd && p + 1 == np;
     std::uint32_t pair[M];
-    for (int m = 0; m < M; ++m) {
-      if (single) {
-        pair[m] = a[m * lda + k0 + 2 * p];
-      } else {
-        std::memcpy(&pair[m], a + m * lda + k0 + 2 * p, sizeof pair[m]);
-      }
-    }
+    for (int m = 0; m < M; ++m) pair[m] = a_pair(a + m * lda, k0 + 2 * p, single);
 #pragma GCC unroll 8
     for (int g = 0; g < G; ++g) {
       const __m512i v = _mm512_loadu_si512(t + g * group + p);
@@ -150,10 +153,7 @@ void panel_groups(std::int64_t g0, const Bf16KBlocks& blocks, std::int64_t group
     __m512 acc[G][M];
     panel_block<M, G>(a, lda, k0, panels + g0 * group + first, group, np, len % 2 != 0, acc);
     for (int g = 0; g < G; ++g)
-      for (int m = 0; m < M; ++m) {
-        float* cp = c + m * ldc + 16 * (g0 + g);
-        _mm512_storeu_ps(cp, blk == 0 ? acc[g][m] : _mm512_add_ps(_mm512_loadu_ps(cp), acc[g][m]));
-      }
+      for (int m = 0; m < M; ++m) store_block_sum(c + m * ldc + 16 * (g0 + g), blk, acc[g][m]);
     first += np;
   }
 }
@@ -207,10 +207,8 @@ void write_panels_avx512_bf16(const std::uint16_t* w, std::int64_t ldw, std::int
     for (int blk = 0; blk < blocks.count; ++blk)
       for (std::int64_t kk = blocks.begin(blk); kk < blocks.end(blk); kk += 32) {
         const std::int64_t len = std::min<std::int64_t>(32, blocks.end(blk) - kk);
-        const __mmask32 mask = static_cast<__mmask32>((std::uint64_t{1} << len) - 1);
         __m512i v[16];
-        for (int j = 0; j < 16; ++j) v[j] = _mm512_maskz_loadu_epi16(mask, b + j * ldw + kk);
-        transpose16x16_epi32(v);
+        load_pairs_masked(b, ldw, kk, len, v);
         for (std::int64_t p = 0; p < (len + 1) / 2; ++p) _mm512_storeu_si512(t++, v[p]);
       }
   }

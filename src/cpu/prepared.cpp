@@ -34,13 +34,16 @@ static_assert(sizeof(Header) <= kPreparedHeaderBytes);
 // Likewise without the AVX512-BF16 rows kernel's note (", 1-8 rows: ..."): it reads B where it lies or
 // the blob's optional panels, which give the same bits.
 std::uint64_t kernels_hash() {
-  std::string k = product_kernels();
-  k = k.substr(0, k.find(';'));
-  const std::size_t note = k.find(", 1-8 rows");
-  if (note != std::string::npos) k.erase(note, k.find(')', note) - note);
-  std::uint64_t h = 1469598103934665603ull;
-  for (const char ch : k) h = (h ^ static_cast<unsigned char>(ch)) * 1099511628211ull;
-  return h;
+  static const std::uint64_t hash = [] {
+    std::string k = product_kernels();
+    k = k.substr(0, k.find(';'));
+    const std::size_t note = k.find(", 1-8 rows");
+    if (note != std::string::npos) k.erase(note, k.find(')', note) - note);
+    std::uint64_t h = 1469598103934665603ull;
+    for (const char ch : k) h = (h ^ static_cast<unsigned char>(ch)) * 1099511628211ull;
+    return h;
+  }();  // product_kernels() is fixed for the process
+  return hash;
 }
 
 // The AVX-512 decode panels' bytes that bf16 weights [C, H] may have in an in_place blob.
