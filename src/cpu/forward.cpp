@@ -165,8 +165,9 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
       const Bf16Shape shape = buf.bf16_shape(d);
       const Bf16Target both[] = {{b_kv, rows}, {b_gate, rows + C}};
       bool ok = true;
-      if (gemm_row_stable() && bf16_rows_kernel_applicable(shape, n)) {
-        // 1-8 rows on kvcomp's AVX512-BF16 kernel, x and the weights where they lie.
+      if (gemm_row_stable() && bf16_rows_kernel_applicable(shape, n, prepared.kv_panels != nullptr)) {
+        // kvcomp's AVX512-BF16 kernel, x where it lies: 1-8 rows on the weights where they lie, any
+        // number on the prepared weights' panels.
         const std::uint16_t* const panels[] = {prepared.kv_panels, prepared.gate_panels};
         gemm_bf16_rows_kernel(shape, n, static_cast<const std::uint16_t*>(static_cast<const void*>(x_rows)),
                               both, num_threads, prepared.kv_panels ? panels : nullptr);

@@ -211,8 +211,9 @@ const char* product_kernels() {
     const char* backward = bf16_split_products()      ? ", precise as hi+lo"
                            : bf16_backward_products() ? ", precise in f32"
                                                       : ", backward in f32";
-    return "bf16 (" + kernel_name() + (packed_forced() ? ", packed B" : "") + backward +
-           (bf16_rows_kernel_available() ? ", 1-8 rows: kvcomp avx512_bf16" : "") + ") + f32 (dnnl_sgemm)";
+    const char* rows = bf16_rows_kernel_available() ? ", 1-8 rows and prepared weights: kvcomp avx512_bf16" : "";
+    return "bf16 (" + kernel_name() + (packed_forced() ? ", packed B" : "") + backward + rows +
+           ") + f32 (dnnl_sgemm)";
   }();
   return s.c_str();
 }
@@ -426,8 +427,8 @@ bool rows_kernel_matches_jit(std::int64_t K) {
 
 }  // namespace
 
-bool bf16_rows_kernel_applicable(const Bf16Shape& s, std::int64_t M) {
-  if (M < 1 || M > kRowsKernelMax || !s.b_transposed || s.N % 16 != 0 || s.K < 1 ||
+bool bf16_rows_kernel_applicable(const Bf16Shape& s, std::int64_t M, bool panels) {
+  if (M < 1 || (M > kRowsKernelMax && !panels) || !s.b_transposed || s.N % 16 != 0 || s.K < 1 ||
       !bf16_rows_kernel_available())
     return false;
   // Decided once per shape (a decode call's is the same every time): oneDNN's jit gemm reads this B in
@@ -468,17 +469,29 @@ void gemm_bf16_rows_kernel(const Bf16Shape& s, std::int64_t M, const std::uint16
                            const std::uint16_t* const* panels) {
   const std::int64_t group = 32 * bf16_panel_pairs(s.K);  // bf16 values of one 16-column group
   const std::int64_t per = (s.N + kBf16TileCols - 1) / kBf16TileCols;
-  const std::int64_t tiles = per * static_cast<std::int64_t>(targets.size());
+  const std::int64_t col_tiles = per * static_cast<std::int64_t>(targets.size());
+  // More than 8 rows (panels only): the rows too in tiles of at least 64, where the column tiles are
+  // fewer than two per thread.
+  const std::int64_t row_tiles = M <= kRowsKernelMax ? 1
+                                                     : std::clamp<std::int64_t>(
+                                                           (2 * std::int64_t{num_threads} + col_tiles - 1) /
+                                                               col_tiles,
+                                                           1, (M + 63) / 64);
+  const std::int64_t rows = (M + row_tiles - 1) / row_tiles, tiles = col_tiles * row_tiles;
 #pragma omp parallel for num_threads(static_cast<int>(std::clamp<std::int64_t>(num_threads, 1, tiles))) \
     schedule(dynamic, 1)
   for (std::int64_t i = 0; i < tiles; ++i) {
-    const Bf16Target& x = targets[static_cast<std::size_t>(i / per)];
-    const std::int64_t n0 = i % per * kBf16TileCols, nt = std::min(kBf16TileCols, s.N - n0);
+    const std::int64_t j = i % col_tiles, r0 = i / col_tiles * rows, m = std::min(rows, M - r0);
+    const Bf16Target& x = targets[static_cast<std::size_t>(j / per)];
+    const std::int64_t n0 = j % per * kBf16TileCols, nt = std::min(kBf16TileCols, s.N - n0);
+    const std::uint16_t* ar = a + r0 * s.lda;
+    float* cr = x.c + r0 * s.ldc + n0;
+    if (m <= 0) continue;
     if (panels)
-      gemm_rows_avx512_bf16_panels(M, nt, s.K, a, s.lda, panels[i / per] + n0 / 16 * group, x.c + n0, s.ldc);
+      gemm_rows_avx512_bf16_panels(m, nt, s.K, ar, s.lda, panels[j / per] + n0 / 16 * group, cr, s.ldc);
     else
-      gemm_rows_avx512_bf16(M, nt, s.K, a, s.lda, static_cast<const std::uint16_t*>(x.b) + n0 * s.ldb, s.ldb,
-                            x.c + n0, s.ldc);
+      gemm_rows_avx512_bf16(m, nt, s.K, ar, s.lda, static_cast<const std::uint16_t*>(x.b) + n0 * s.ldb, s.ldb,
+                            cr, s.ldc);
   }
 }
 

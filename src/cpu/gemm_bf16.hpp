@@ -72,10 +72,10 @@ bool bf16_split_products();
 bool bf16_backward_products();
 
 // What runs: "f32 (dnnl_sgemm)", or "bf16 (<oneDNN implementation>[, packed
-// B], precise as hi+lo | precise in f32 | backward in f32[, 1-8 rows: kvcomp
-// avx512_bf16]) + f32 (dnnl_sgemm)". "packed B": KVCOMP_BF16_PACKED=1 in the environment packs B
-// into oneDNN's blocked layout even where its kernel would read it in place
-// (AVX512-BF16), so that such a machine tests the code AMX runs (packing,
+// B], precise as hi+lo | precise in f32 | backward in f32[, 1-8 rows and
+// prepared weights: kvcomp avx512_bf16]) + f32 (dnnl_sgemm)". "packed B":
+// KVCOMP_BF16_PACKED=1 in the environment packs B into oneDNN's blocked
+// layout even where its kernel would read it in place (AVX512-BF16), so that such a machine tests the code AMX runs (packing,
 // packed prepared weights, 64-row tiles); results stay row-stable and
 // deterministic, but it is for tests only: decode calls pad to 64 rows, and
 // oneDNN 2.6's brg:avx512_core_bf16 refuses row-strided tiles of a packed B,
@@ -155,18 +155,21 @@ bool gemm_bf16_rows(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
 // then pad to 2 rows instead of 64. False elsewhere (AMX: packed B, 64-row tiles).
 bool bf16_short_rows_stable(const Bf16Shape& s, std::int64_t M);
 
-// Whether a row-stable call of M rows (1 to 8) runs on kvcomp's own AVX512-BF16 kernel
+// Whether a row-stable call of M rows (1 to 8, or any with panels) runs on kvcomp's own AVX512-BF16 kernel
 // (gemm_rows_avx512_bf16): B stored [N, K] and read in place by oneDNN's jit gemm
 // (bf16_short_rows_stable), N a multiple of 16, the CPU with AVX512-BF16, and the kernel's order
 // matching the jit gemm's for this K (checked once per K and process). Then a decode call's rows need
 // no padding row and its B no packing: the jit gemm packs all of B on each execution, about 3x the
 // time of reading it (docs/performance.md). KVCOMP_BF16_ROWS_KERNEL (any value) in the environment
 // keeps oneDNN for them.
-bool bf16_rows_kernel_applicable(const Bf16Shape& s, std::int64_t M);
+// With `panels` (the call has the AVX-512 decode panels of its weights), any M: the kernel's order is
+// the same for every row count, and on panels it runs at oneDNN's packed brgemm rate (docs/performance.md).
+bool bf16_rows_kernel_applicable(const Bf16Shape& s, std::int64_t M, bool panels = false);
 // Whether this process may use that kernel at all (product_kernels() then names it).
 bool bf16_rows_kernel_available();
 
-// The M-row product on that kernel, B's columns cut into tiles of kBf16TileCols dealt to the threads
+// The M-row product on that kernel, B's columns cut into tiles of kBf16TileCols (and more than 8 rows
+// into tiles of at least 64 where the column tiles are too few for the threads) dealt to the threads
 // (an element's order does not depend on its tile): the bits gemm_bf16 gives these rows.
 // `panels` (optional): the AVX-512 decode panels of each target's B (write_panels_avx512_bf16, from
 // column 0), read instead of B: the same bits without the kernel's register transposes.

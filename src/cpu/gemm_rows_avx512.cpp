@@ -170,6 +170,89 @@ void panel_rows(std::int64_t n, std::int64_t k, const std::uint16_t* a, std::int
   for (; g0 < groups; ++g0) panel_groups<M, 1>(g0, blocks, group, a, lda, t, c, ldc);
 }
 
+// Many rows on the panels: tiles of MR rows x G groups, the A pairs broadcast from memory straight into
+// vdpbf16ps. Per element the chain is the one above (pairs from the block start, the odd last pair with
+// A's second value zero, the block sums added in order), so each row gets the same bits whatever the
+// call's row count.
+template <int M, int G>
+inline void tile_chain(const std::uint16_t* a, std::int64_t lda, std::int64_t k0, const __m512i* t,
+                       std::int64_t group, std::int64_t np, bool odd, __m512 (&acc)[G][M]) {
+  for (int g = 0; g < G; ++g)
+    for (int m = 0; m < M; ++m) acc[g][m] = _mm512_setzero_ps();
+  const std::int64_t full = odd ? np - 1 : np;
+  for (std::int64_t p = 0; p < full; ++p) {
+    __m512i v[G];
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) v[g] = _mm512_loadu_si512(t + g * group + p);
+#pragma GCC unroll 16
+    for (int m = 0; m < M; ++m) {
+      int pair;
+      std::memcpy(&pair, a + m * lda + k0 + 2 * p, sizeof pair);
+      const __m512bh bc = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 8
+      for (int g = 0; g < G; ++g) acc[g][m] = _mm512_dpbf16_ps(acc[g][m], bc, (__m512bh)v[g]);
+    }
+  }
+  if (odd) {
+    const std::int64_t p = np - 1;
+    for (int m = 0; m < M; ++m) {
+      const __m512bh bc = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[m * lda + k0 + 2 * p]));
+      for (int g = 0; g < G; ++g)
+        acc[g][m] = _mm512_dpbf16_ps(acc[g][m], bc, (__m512bh)_mm512_loadu_si512(t + g * group + p));
+    }
+  }
+}
+
+template <int M, int G>
+void tile_rows(std::int64_t g0, std::int64_t first, std::int64_t k0, std::int64_t len, int blk,
+               std::int64_t group, const std::uint16_t* a, std::int64_t lda, const __m512i* panels, float* c,
+               std::int64_t ldc) {
+  __m512 acc[G][M];
+  tile_chain<M, G>(a, lda, k0, panels + g0 * group + first, group, (len + 1) / 2, len % 2 != 0, acc);
+  for (int g = 0; g < G; ++g)
+    for (int m = 0; m < M; ++m) store_block_sum(c + m * ldc + 16 * (g0 + g), blk, acc[g][m]);
+}
+
+template <int G, std::size_t... I>
+void tile_rest(std::int64_t m, std::int64_t g0, std::int64_t first, std::int64_t k0, std::int64_t len,
+               int blk, std::int64_t group, const std::uint16_t* a, std::int64_t lda, const __m512i* panels, float* c,
+               std::int64_t ldc, std::index_sequence<I...>) {
+  using Fn = void (*)(std::int64_t, std::int64_t, std::int64_t, std::int64_t, int, std::int64_t,
+                      const std::uint16_t*, std::int64_t, const __m512i*, float*, std::int64_t);
+  static constexpr Fn kernels[] = {&tile_rows<static_cast<int>(I) + 1, G>...};
+  kernels[m - 1](g0, first, k0, len, blk, group, a, lda, panels, c, ldc);
+}
+
+constexpr int kTileRows = 6, kTileGroups = 4;
+
+template <int G>
+void many_rows_groups(std::int64_t m, std::int64_t g0, const Bf16KBlocks& blocks, std::int64_t group,
+                      const std::uint16_t* a, std::int64_t lda, const __m512i* panels, float* c,
+                      std::int64_t ldc) {
+  std::int64_t first = 0;
+  for (int blk = 0; blk < blocks.count; ++blk) {
+    const std::int64_t k0 = blocks.begin(blk), len = blocks.end(blk) - k0;
+    std::int64_t r = 0;
+    for (; r + kTileRows <= m; r += kTileRows)
+      tile_rows<kTileRows, G>(g0, first, k0, len, blk, group, a + r * lda, lda, panels, c + r * ldc, ldc);
+    if (r < m)
+      tile_rest<G>(m - r, g0, first, k0, len, blk, group, a + r * lda, lda, panels, c + r * ldc, ldc,
+                   std::make_index_sequence<kTileRows - 1>{});
+    first += (len + 1) / 2;
+  }
+}
+
+void many_rows(std::int64_t m, std::int64_t n, std::int64_t k, const std::uint16_t* a, std::int64_t lda,
+               const std::uint16_t* panels, float* c, std::int64_t ldc) {
+  const Bf16KBlocks blocks = jit_bf16_k_blocks(k);
+  const std::int64_t group = bf16_panel_pairs(k), groups = n / 16;
+  const auto* t = reinterpret_cast<const __m512i*>(panels);
+  std::int64_t g0 = 0;
+  for (; g0 + kTileGroups <= groups; g0 += kTileGroups)
+    many_rows_groups<kTileGroups>(m, g0, blocks, group, a, lda, t, c, ldc);
+  for (; g0 < groups; ++g0) many_rows_groups<1>(m, g0, blocks, group, a, lda, t, c, ldc);
+}
+
 template <std::size_t... I>
 void rows_dispatch(std::int64_t m, std::int64_t n, std::int64_t k, const std::uint16_t* a, std::int64_t lda,
                    const std::uint16_t* b, std::int64_t ldb, float* c, std::int64_t ldc,
@@ -216,7 +299,10 @@ void write_panels_avx512_bf16(const std::uint16_t* w, std::int64_t ldw, std::int
 
 void gemm_rows_avx512_bf16_panels(std::int64_t m, std::int64_t n, std::int64_t k, const std::uint16_t* a,
                                   std::int64_t lda, const std::uint16_t* panels, float* c, std::int64_t ldc) {
-  panel_dispatch(m, n, k, a, lda, panels, c, ldc, std::make_index_sequence<kRowsKernelMax>{});
+  if (m > kRowsKernelMax)
+    many_rows(m, n, k, a, lda, panels, c, ldc);
+  else
+    panel_dispatch(m, n, k, a, lda, panels, c, ldc, std::make_index_sequence<kRowsKernelMax>{});
 }
 
 void gemm_rows_avx512_bf16(std::int64_t m, std::int64_t n, std::int64_t k, const std::uint16_t* a,

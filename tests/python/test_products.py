@@ -167,20 +167,21 @@ def test_prepared_weights_serve_with_and_without_decode_panels(tmp_path):
     assert same == "True" and float(total) == outs[0][0].float().sum().item()
 
 
-@pytest.mark.skipif("1-8 rows: kvcomp avx512_bf16" not in kvcomp.product_kernels(),
+@pytest.mark.skipif("kvcomp avx512_bf16" not in kvcomp.product_kernels(),
                     reason="no AVX512-BF16 rows kernel here (no AVX-512 decode panels)")
 def test_prepared_bf16_weights_serve_with_and_without_avx512_panels(tmp_path):
     """On AVX512-BF16 a blob of bf16 weights holds them pre-transposed for the rows kernel (per 16 columns
     and pair of a K block, 64 bytes; at H = 1003 two blocks of 502 and 501, 251 + 251 pairs);
     KVCOMP_DECODE_PANELS=0 leaves them out. Either blob serves, also where the kernel is off
-    (KVCOMP_BF16_ROWS_KERNEL=1), with the bits of the call without a blob, for 1 to 8 tokens."""
+    (KVCOMP_BF16_ROWS_KERNEL=1), with the bits of the call without a blob: 1 to 8 tokens (1-8 rows) and
+    9 to 70 (the kernel on the panels, beyond 64 in tiles of rows)."""
     C, Hs = 48, 1003
     g, w, lean, own = _weights_and_blobs(C, Hs, 6)
     assert lean.numel() == 64
     assert own.numel() == 64 + 2 * (C // 16) * (251 + 251) * 64
     path = tmp_path / "blob.bin"
     path.write_bytes(own.numpy().tobytes())
-    for tokens in (1, 3, 8):
+    for tokens in (1, 3, 8, 9, 70):
         x = torch.randn(tokens, 1, Hs, generator=g).bfloat16()
         ape = torch.randn(4, C, generator=g)
         outs = []
