@@ -234,16 +234,19 @@ KVCOMP_API const char* kernel_isa();
 
 // The matrix-product kernels of the CPU backend in this process:
 // "bf16 (<oneDNN implementation>, precise as hi+lo | precise in f32 |
-// backward in f32) + f32 (dnnl_sgemm)" where the CPU has bf16 dot-product
+// backward in f32[, 1-8 rows and prepared weights: kvcomp avx512_bf16]) +
+// f32 (dnnl_sgemm)[; 1-8 rows: ...]" where the CPU has bf16 dot-product
 // units (AMX-BF16, AVX512-BF16): the products of bf16 calls run there (the
 // forward; the npu_parity backward where the units outrun fp32, i.e. AMX and
 // AMD's AVX512-BF16, not Intel's AVX512-BF16 without AMX: "backward in f32";
 // the precise backward as bf16 high + low parts where that is faster than
 // fp32, i.e. on AMX; KVCOMP_PRODUCTS=bf16 asks for all of them); else
-// "f32 (dnnl_sgemm)", or "f32 (dnnl_sgemm); 1-8 rows: kvcomp avx2" where oneDNN
-// runs its AVX2 kernels and forward projections of 1-8 token rows (decode) run
-// on kvcomp's own AVX2 kernel, which gives each row sgemm's bits (checked once
-// per process; KVCOMP_ISA=scalar or KVCOMP_ROW_STABLE=0 turn it off).
+// "f32 (dnnl_sgemm)", or "f32 (dnnl_sgemm); 1-8 rows: kvcomp avx2" where
+// fp32 forward projections of 1-8 token rows (decode) run on kvcomp's own
+// AVX2 kernel, which gives each row sgemm's bits (checked once per process;
+// KVCOMP_ISA=scalar or KVCOMP_ROW_STABLE=0 turn it off); ", order probed per
+// shape" where oneDNN runs its AVX-512 sgemm, whose order depends on the shape
+// (a shape of unknown order keeps sgemm's padding rows).
 // KVCOMP_PRODUCTS=f32, or KVCOMP_ISA below avx512, keeps every product fp32.
 // Chosen once per process.
 KVCOMP_API const char* product_kernels();

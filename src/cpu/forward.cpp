@@ -112,7 +112,8 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
   // weights where they lie (gemm.hpp), with the bits of the converted copy, and skip converting them.
   const bool fp16 = d.io == DType::f16;
   const bool half_in_place =
-      !buf.bf16 && !prepared.kv && (d.io == DType::bf16 || fp16) && gemm_rows_16bit_applicable(d.T, C, fp16);
+      !buf.bf16 && !prepared.kv && (d.io == DType::bf16 || fp16) &&
+      gemm_rows_16bit_applicable(d.T, C, H, fp16);
   if (buf.bf16) {
     const Bf16Shape shape = buf.bf16_shape(d);
     if (prepared.kv) {  // packed
@@ -189,7 +190,7 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
       if (!ok) return {StatusCode::runtime_error, "[kvcomp] oneDNN bf16 matmul for the projections failed"};
     } else {
       rows_to_f32(x_rows, d.io, n, H, buf.xf, buf.ld_h, num_threads);
-      if (prepared.kv_panels && gemm_row_panels_applicable(n, C, fp16)) {  // one token: the decode panels
+      if (prepared.kv_panels && gemm_row_panels_applicable(n, C, H, fp16)) {  // one token: the decode panels
         gemm_row_panels(C, H, buf.xf, prepared.kv_panels, prepared.gate_panels, fp16, rows, num_threads);
       } else if (half_in_place) {  // [new_kv | new_score] = x . [wkv ; wgate]^T, the weights as they lie
         gemm_rows_16bit_weights(n, C, H, buf.xf, buf.ld_h, static_cast<const std::uint16_t*>(args.wkv.data),

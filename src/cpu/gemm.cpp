@@ -4,10 +4,13 @@
 #include <oneapi/dnnl/dnnl.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
+#include <optional>
 
 #include "cpu/convert.hpp"
 #include "cpu/gemm_rows.hpp"
@@ -43,11 +46,92 @@ bool onednn_has_avx512() {
   return yes;
 }
 
-// oneDNN runs its AVX2 kernels (AVX2 and not AVX-512): the sgemm whose order gemm_rows.hpp reproduces.
+// oneDNN runs its AVX2 kernels (AVX2 and not AVX-512).
 bool onednn_on_avx2() {
   const unsigned isa = static_cast<unsigned>(dnnl_get_effective_cpu_isa());
   const unsigned avx2 = static_cast<unsigned>(dnnl_cpu_isa_avx2);
   return (isa & avx2) == avx2 && !onednn_has_avx512();
+}
+
+// oneDNN's sgemm is one whose order gemm_rows.hpp reproduces (its AVX2 or AVX-512 kernels).
+bool onednn_sgemm_known() { return onednn_on_avx2() || onednn_has_avx512(); }
+
+// Operands of the kernel checks: values of many magnitudes (2^-15 to 2^23) and both signs, so that the
+// order of additions shows in the bits.
+void fill_probe(float* v, std::size_t count, std::uint32_t state) {
+  for (std::size_t i = 0; i < count; ++i) {
+    state = state * 1664525u + 1013904223u;
+    v[i] = static_cast<float>(static_cast<std::int32_t>(state >> 8) - (1 << 23)) /
+           static_cast<float>(1u << (state & 15u));
+  }
+}
+
+// The order (gemm_rows.hpp) in which oneDNN's AVX-512 sgemm, on one thread, sums the rows of a tile of nt
+// columns (a multiple of 16) and depth K: the candidate whose gemm_rows_avx2 gives the last 1, 3 and 8
+// rows of a 24-row sgemm call (its long-call path) bit for bit, or none (std::malloc failed, or neither
+// matches: the padding stays). Called on one thread with the OpenMP limit 1.
+std::optional<SgemmOrder> probe_avx512_order(std::int64_t nt, std::int64_t K) {
+  constexpr std::int64_t rows = 24;
+  const std::size_t floats = static_cast<std::size_t>((rows + nt) * K + (rows + kRowsKernelMax) * nt);
+  const std::unique_ptr<float, decltype(&std::free)> mem(
+      static_cast<float*>(std::malloc(floats * sizeof(float))), &std::free);
+  if (!mem) return std::nullopt;
+  float* const a = mem.get();
+  float* const b = a + rows * K;
+  float* const ref = b + nt * K;
+  float* const out = ref + rows * nt;
+  fill_probe(a, static_cast<std::size_t>((rows + nt) * K), 0x85ebca6bu + static_cast<std::uint32_t>(K));
+  if (dnnl_sgemm('N', 'T', rows, nt, K, 1.0f, a, K, b, K, 0.0f, ref, nt) != dnnl_success) return std::nullopt;
+  for (const SgemmOrder order : {kSgemmAvx512Halves, kSgemmAvx512Fixed}) {
+    bool same = true;
+    for (const std::int64_t m : {std::int64_t{1}, std::int64_t{3}, kRowsKernelMax}) {
+      gemm_rows_avx2(m, nt, K, a + (rows - m) * K, K, b, K, out, nt, order);
+      const std::size_t bytes = static_cast<std::size_t>(m * nt) * sizeof(float);
+      same = same && std::memcmp(out, ref + (rows - m) * nt, bytes) == 0;
+    }
+    if (same) return order;
+  }
+  return std::nullopt;
+}
+
+// sgemm's order for a tile of nt columns and depth K: none unless nt is a multiple of 16 (the kernel's
+// groups); the AVX2 sgemm's is the same for every shape (checked once per process by use_rows_kernel);
+// the AVX-512 sgemm's is probed once per shape and kept (a fixed table, nothing allocated with operator
+// new; past its 32 entries a shape is probed each time).
+std::optional<SgemmOrder> sgemm_order_for(std::int64_t nt, std::int64_t K) {
+  if (nt <= 0 || nt % 16 != 0 || K <= 0) return std::nullopt;
+  if (!onednn_has_avx512()) return kSgemmAvx2;
+  struct Entry {
+    std::int64_t nt, k;
+    std::optional<SgemmOrder> order;
+  };
+  static std::mutex mu;
+  static std::array<Entry, 32> known;
+  static std::size_t used = 0;
+  {
+    const std::lock_guard<std::mutex> lock(mu);
+    for (std::size_t i = 0; i < used; ++i)
+      if (known[i].nt == nt && known[i].k == K) return known[i].order;
+  }
+  std::optional<SgemmOrder> order;
+#pragma omp parallel num_threads(1)
+  {
+    omp_set_num_threads(1);
+    order = probe_avx512_order(nt, K);
+  }
+  const std::lock_guard<std::mutex> lock(mu);
+  if (used < known.size()) known[used++] = Entry{nt, K, order};
+  return order;
+}
+
+// The one order of all sgemm tiles of the forward projection [n, 2 half] (gemm_f32's column tiles over
+// wkv's and wgate's columns side by side), or none where they differ: kvcomp's kernels cut that
+// product per weight matrix.
+std::optional<SgemmOrder> projection_order(std::int64_t half, std::int64_t K) {
+  const std::int64_t N = 2 * half, full = std::min(kTileN, N), last = N - (N - 1) / kTileN * kTileN;
+  const std::optional<SgemmOrder> a = sgemm_order_for(full, K), b = sgemm_order_for(last, K);
+  if (a && b && *a == *b) return a;
+  return std::nullopt;
 }
 
 // KVCOMP_ROW_STABLE=0 (read once per process) turns the padding off: calls
@@ -64,15 +148,16 @@ bool row_stable() {
 
 std::int64_t tile_m() { return onednn_has_avx512() || !row_stable() ? 256 : 192; }
 
-// Compares gemm_rows_avx2 with sgemm bit for bit: every row count 1-8 against the rows of a 12-row call
-// (two whole groups of 6: the long-call path), and one row from decode panels (gemm_row_avx2_panels),
+// Compares gemm_rows_avx2 with sgemm bit for bit: every row count 1-8 against the rows of a 24-row call
+// (the long-call path of both sgemms: four whole groups of 6 on AVX2, >= 16 rows on AVX-512), and one
+// row from decode panels (gemm_row_avx2_panels),
 // over K that take each branch of sgemm_k_blocks, with leading dimensions that are not multiples of 16.
 // fp16 false: B in fp32 and bf16 rows, bf16 panels; true: B in fp16 rows (gemm_rows_avx2_f16) and fp16
 // panels, B's values spanning fp16's range, subnormals and zeros included. False at the first difference,
 // or when the buffers cannot be allocated (std::malloc: the fp32 products allocate nothing with operator
 // new, docs/robustness.md).
 bool rows_kernel_matches_sgemm(bool fp16) {
-  constexpr std::int64_t rows = 12, n = 32, k_max = 4096, ld = k_max + 5;
+  constexpr std::int64_t rows = 24, n = 32, k_max = 4096, ld = k_max + 5;
   const std::size_t floats = static_cast<std::size_t>((rows + n) * ld + (rows + kRowsKernelMax) * n +
                                                       (n * ld + 1) / 2 + n * k_max / 2);
   const std::unique_ptr<float, decltype(&std::free)> mem(
@@ -84,36 +169,34 @@ bool rows_kernel_matches_sgemm(bool fp16) {
   float* const out = ref + rows * n;
   auto* const b16 = reinterpret_cast<std::uint16_t*>(out + kRowsKernelMax * n);
   std::uint16_t* const panels = b16 + 2 * ((n * ld + 1) / 2);
-  // Values of many magnitudes (2^-15 to 2^23) and both signs, so that the order of additions shows in
-  // the bits; B's are rounded to bf16 values, or scaled by 2^-10 / 2^(i % 16) and rounded to fp16, kept
-  // as 16-bit values too for the 16-bit variants.
-  std::uint32_t state = 0x9e3779b9u;
-  for (std::size_t i = 0; i < static_cast<std::size_t>((rows + n) * ld); ++i) {
-    state = state * 1664525u + 1013904223u;
-    a[i] = static_cast<float>(static_cast<std::int32_t>(state >> 8) - (1 << 23)) /
-           static_cast<float>(1u << (state & 15u));
-  }
+  // fill_probe's values; B's are rounded to bf16 values, or scaled by 2^-10 / 2^(i % 16) and rounded to
+  // fp16, kept as 16-bit values too for the 16-bit variants.
+  fill_probe(a, static_cast<std::size_t>((rows + n) * ld), 0x9e3779b9u);
   for (std::size_t i = 0; i < static_cast<std::size_t>(n * ld); ++i) {
     b16[i] = fp16 ? float_to_fp16(b[i] * 0x1p-10f / static_cast<float>(1u << (i % 16))) : float_to_bf16(b[i]);
     b[i] = fp16 ? fp16_to_float(b16[i]) : bf16_to_float(b16[i]);
   }
   const auto rows_16bit = fp16 ? &gemm_rows_avx2_f16 : &gemm_rows_avx2_bf16;
   for (const std::int64_t k : {std::int64_t{3}, std::int64_t{256}, std::int64_t{300}, std::int64_t{511},
-                               std::int64_t{1003}, std::int64_t{1539}, k_max}) {
+                               std::int64_t{769}, std::int64_t{1003}, std::int64_t{1539}, k_max}) {
+    // AVX-512: the order probed for this shape (none: the kernel is not used for it, nothing to check).
+    const std::optional<SgemmOrder> probed = sgemm_order_for(n, k);
+    if (!probed) continue;
+    const SgemmOrder order = *probed;
     if (dnnl_sgemm('N', 'T', rows, n, k, 1.0f, a, ld, b, ld, 0.0f, ref, n) != dnnl_success) return false;
     for (std::int64_t m = 1; m <= kRowsKernelMax; ++m) {
       // The last m rows: a run that does not start at a group boundary.
       const float* const want = ref + (rows - m) * n;
       const std::size_t bytes = static_cast<std::size_t>(m * n) * sizeof(float);
       if (!fp16) {
-        gemm_rows_avx2(m, n, k, a + (rows - m) * ld, ld, b, ld, out, n);
+        gemm_rows_avx2(m, n, k, a + (rows - m) * ld, ld, b, ld, out, n, order);
         if (std::memcmp(out, want, bytes) != 0) return false;
       }
-      rows_16bit(m, n, k, a + (rows - m) * ld, ld, b16, ld, out, n);
+      rows_16bit(m, n, k, a + (rows - m) * ld, ld, b16, ld, out, n, order);
       if (std::memcmp(out, want, bytes) != 0) return false;
     }
     write_panels(b16, ld, n, k, panels, 1, fp16);
-    gemm_row_avx2_panels(n, k, a + (rows - 1) * ld, panels, out, fp16);
+    gemm_row_avx2_panels(n, k, a + (rows - 1) * ld, panels, out, fp16, order);
     if (std::memcmp(out, ref + (rows - 1) * n, static_cast<std::size_t>(n) * sizeof(float)) != 0)
       return false;
   }
@@ -121,7 +204,7 @@ bool rows_kernel_matches_sgemm(bool fp16) {
 }
 
 // Whether gemm_f32 runs calls of at most kRowsKernelMax live rows on gemm_rows_avx2 (decided once per
-// process): row stability on, oneDNN on its AVX2 kernels (no AVX-512), the CPU with AVX2 and FMA and
+// process): row stability on, oneDNN on its AVX2 or AVX-512 kernels, the CPU with AVX2 and FMA and
 // kvcomp's own kernels not capped below them (KVCOMP_ISA), and the kernel matching sgemm here.
 // rows_kernel_matches_sgemm(fp16) with sgemm on one thread, as gemm_f32 calls it (with more, it may
 // split K and sum otherwise).
@@ -136,7 +219,7 @@ bool rows_kernel_matches_one_thread_sgemm(bool fp16) {
 }
 
 bool use_rows_kernel() {
-  static const bool yes = row_stable() && onednn_on_avx2() && active_isa() >= Isa::avx2 &&
+  static const bool yes = row_stable() && onednn_sgemm_known() && active_isa() >= Isa::avx2 &&
                           rows_kernel_matches_one_thread_sgemm(false);
   return yes;
 }
@@ -158,8 +241,11 @@ bool gemm_row_stable() { return row_stable(); }
 
 bool gemm_rows_kernel_active() { return use_rows_kernel(); }
 
-bool gemm_rows_16bit_applicable(std::int64_t n, std::int64_t half, bool fp16) {
-  return n >= 1 && n <= kRowsKernelMax && half > 0 && half % 16 == 0 && rows_kernel_for(fp16);
+bool gemm_rows_order_probed() { return onednn_has_avx512(); }
+
+bool gemm_rows_16bit_applicable(std::int64_t n, std::int64_t half, std::int64_t K, bool fp16) {
+  return n >= 1 && n <= kRowsKernelMax && half > 0 && half % 16 == 0 && rows_kernel_for(fp16) &&
+         projection_order(half, K).has_value();
 }
 
 namespace {
@@ -186,16 +272,17 @@ void gemm_rows_16bit_weights(std::int64_t n, std::int64_t half, std::int64_t K, 
                              std::int64_t lda, const std::uint16_t* wkv, const std::uint16_t* wgate,
                              bool fp16, float* c, std::int64_t ldc, int num_threads) {
   const auto kernel = fp16 ? &gemm_rows_avx2_f16 : &gemm_rows_avx2_bf16;
+  const SgemmOrder order = projection_order(half, K).value_or(kSgemmAvx2);  // applicable: known
   // The column tiles of gemm_f32.
   deal_weight_tiles(half, kTileN, num_threads, [&](bool gate, std::int64_t n0, std::int64_t nt) {
-    kernel(n, nt, K, a, lda, (gate ? wgate : wkv) + n0 * K, K, c + (gate ? half : 0) + n0, ldc);
+    kernel(n, nt, K, a, lda, (gate ? wgate : wkv) + n0 * K, K, c + (gate ? half : 0) + n0, ldc, order);
   });
 }
 
 bool decode_panels_wanted(bool fp16) {
   static const bool yes = [] {
     const char* v = std::getenv("KVCOMP_DECODE_PANELS");
-    return (v == nullptr || v[0] != '0') && detected_isa() >= Isa::avx2 && onednn_on_avx2();
+    return (v == nullptr || v[0] != '0') && detected_isa() >= Isa::avx2 && onednn_sgemm_known();
   }();
   return yes && (!fp16 || cpu_has_f16c());
 }
@@ -211,16 +298,18 @@ void write_panels(const std::uint16_t* w, std::int64_t ldw, std::int64_t n, std:
   }
 }
 
-bool gemm_row_panels_applicable(std::int64_t n, std::int64_t half, bool fp16) {
-  return n == 1 && half > 0 && half % 16 == 0 && rows_kernel_for(fp16);
+bool gemm_row_panels_applicable(std::int64_t n, std::int64_t half, std::int64_t K, bool fp16) {
+  return n == 1 && half > 0 && half % 16 == 0 && rows_kernel_for(fp16) &&
+         projection_order(half, K).has_value();
 }
 
 void gemm_row_panels(std::int64_t half, std::int64_t K, const float* a, const std::uint16_t* kv_panels,
                      const std::uint16_t* gate_panels, bool fp16, float* c, int num_threads) {
+  const SgemmOrder order = projection_order(half, K).value_or(kSgemmAvx2);  // applicable: known
   // One panel per tile.
   deal_weight_tiles(half, kPanelWidth, num_threads, [&](bool gate, std::int64_t n0, std::int64_t nt) {
     gemm_row_avx2_panels(nt, K, a, (gate ? gate_panels : kv_panels) + n0 * K, c + (gate ? half : 0) + n0,
-                         fp16);
+                         fp16, order);
   });
 }
 
@@ -268,11 +357,17 @@ bool gemm_f32_tiles(std::int64_t M, std::int64_t N, std::int64_t K, GemmOperand 
   const std::int64_t tiles_n = (N + kTileN - 1) / kTileN;
   const std::int64_t tiles = tiles_m * tiles_n;
   const float beta = accumulate ? 1.0f : 0.0f;
-  // Few live rows (decode) on AVX2: tiles of whole 16-column groups skip the padding rows
+  // Few live rows (decode): tiles of whole 16-column groups skip the padding rows
   // (gemm_rows.hpp); a tile with a partial group, whose last columns sgemm sums in another order,
   // stays with sgemm on all M rows.
   const bool rows_kernel = live_rows > 0 && live_rows <= kRowsKernelMax && live_rows <= M && !accumulate &&
                            !a.transposed && b_transposed && use_rows_kernel();
+  // sgemm's order for the whole column tiles and the last one (the same on AVX2; probed on AVX-512).
+  std::optional<SgemmOrder> order_full, order_last;
+  if (rows_kernel) {
+    order_full = sgemm_order_for(std::min(kTileN, N), K);
+    order_last = sgemm_order_for(N - (tiles_n - 1) * kTileN, K);
+  }
   std::atomic<bool> ok{true};
 #pragma omp parallel num_threads(static_cast<int>(std::min<std::int64_t>(num_threads, tiles)))
   {
@@ -286,8 +381,9 @@ bool gemm_f32_tiles(std::int64_t M, std::int64_t N, std::int64_t K, GemmOperand 
       // Row-major: A[M,K] (or stored [K,M] when transposed), B[K,N] (or [N,K]).
       const float* a_ptr = a.transposed ? a.ptr + m0 : a.ptr + m0 * a.ld;
       const GemmOperand b = b_tile(n0, nt);
-      if (rows_kernel && nt % 16 == 0) {
-        gemm_rows_avx2(live_rows, nt, K, a_ptr, a.ld, b.ptr, b.ld, c + n0, ldc);
+      const std::optional<SgemmOrder>& order = nt == kTileN ? order_full : order_last;
+      if (rows_kernel && nt % 16 == 0 && order) {
+        gemm_rows_avx2(live_rows, nt, K, a_ptr, a.ld, b.ptr, b.ld, c + n0, ldc, *order);
         continue;
       }
       if (dnnl_sgemm(a.transposed ? 'T' : 'N', b_transposed ? 'T' : 'N', mt, nt, K, 1.0f, a_ptr, a.ld, b.ptr,

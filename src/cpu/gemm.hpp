@@ -55,7 +55,7 @@ inline std::int64_t gemm_row_capacity(std::int64_t rows) {
 // C[M,N] = A[M,K] * B[K,N] (+ C when accumulate). C is row-major with ldc.
 // live_rows (when given): rows of A from live_rows on are zero padding (row stability) whose rows of
 // C the caller does not read; a call may then leave them unwritten (gemm_rows.hpp: decode-sized
-// calls on AVX2).
+// calls).
 // Returns false if oneDNN failed (out of memory for its packing buffers); C
 // is then undefined. Allocates nothing itself, but for the once-per-process
 // check of the AVX2 rows kernel at the first call with live rows (std::malloc,
@@ -75,17 +75,22 @@ std::size_t gemm_widen_scratch_floats(std::int64_t N, std::int64_t ld, int num_t
 bool gemm_f32_widening(std::int64_t M, std::int64_t half, std::int64_t K, GemmOperand a, const void* wkv,
                        const void* wgate, DType dt, float* c, std::int64_t ldc, float* scratch,
                        std::int64_t ld_scratch, int num_threads, std::int64_t live_rows = -1);
-// True when gemm_f32 runs calls of few live rows on its own AVX2 kernel (gemm_rows.hpp), decided
-// once per process (the first call checks the kernel against sgemm).
+// True when gemm_f32 runs calls of few live rows on its own AVX2 kernel (gemm_rows.hpp; with oneDNN on
+// its AVX2 or AVX-512 sgemm, in the order of either), decided once per process (the first call checks
+// the kernel against sgemm).
 bool gemm_rows_kernel_active();
+// True where that kernel's order is probed per shape (oneDNN on its AVX-512 sgemm, gemm_rows.hpp): a shape
+// whose order is none of the known ones keeps sgemm's padding.
+bool gemm_rows_order_probed();
 
 // The forward projection of a decode-sized call with its 16-bit weights (bf16, or fp16 when `fp16`) read
 // where they lie, not converted to fp32 first: C[n, 2 * half] = A[n, K] . [wkv ; wgate]^T, wkv and wgate
 // [half, K] with row stride K. Each cell gets the bits gemm_f32 gives it from the weights widened to fp32
 // (the same kernel order; widening is exact). Only where gemm_rows_16bit_applicable(n, half, fp16): the
-// AVX2 kernel active, 1 <= n <= 8 and half a multiple of 16 (whole 16-column groups in every tile); for
-// fp16 also F16C and its own once-per-process check against sgemm.
-bool gemm_rows_16bit_applicable(std::int64_t n, std::int64_t half, bool fp16);
+// AVX2 kernel active, 1 <= n <= 8, half a multiple of 16 (whole 16-column groups in every tile) and
+// sgemm's order known for K and the tiles (gemm_row_panels_applicable below); for fp16 also F16C and
+// its own once-per-process check against sgemm.
+bool gemm_rows_16bit_applicable(std::int64_t n, std::int64_t half, std::int64_t K, bool fp16);
 void gemm_rows_16bit_weights(std::int64_t n, std::int64_t half, std::int64_t K, const float* a,
                              std::int64_t lda, const std::uint16_t* wkv, const std::uint16_t* wgate,
                              bool fp16, float* c, std::int64_t ldc, int num_threads);
@@ -93,18 +98,19 @@ void gemm_rows_16bit_weights(std::int64_t n, std::int64_t half, std::int64_t K, 
 // Decode panels (gemm_rows.hpp): 16-bit weights stored a second time, for one-token forward calls, which
 // then read half the bytes of the fp32 copy, with the same bits.
 // - decode_panels_wanted(fp16): prepare_weights adds them to a blob of fp32 weights of that dtype here: the
-//   CPU has AVX2 and FMA (and F16C for fp16) and oneDNN runs its AVX2 kernels (as gemm_rows_kernel_active
-//   wants, whatever KVCOMP_ISA says, so a blob's size does not depend on it), unless KVCOMP_DECODE_PANELS=0
-//   (read once; the blob is then 2/3 of the size).
+//   CPU has AVX2 and FMA (and F16C for fp16) and oneDNN runs its AVX2 or AVX-512 sgemm (as
+//   gemm_rows_kernel_active wants, whatever KVCOMP_ISA says, so a blob's size does not depend on it),
+//   unless KVCOMP_DECODE_PANELS=0 (read once; the blob is then 2/3 of the size).
 // - write_panels: the panels of w [n, k] (bf16, or fp16 when `fp16`; row stride ldw, n a multiple of 16)
 //   into out (n * k elements); AVX2 (called only where decode_panels_wanted or the rows kernel runs).
 // - gemm_row_panels_applicable / gemm_row_panels: the forward projection of a one-row call from them,
 //   C[0, 2 * half] = a . [wkv ; wgate]^T: where the AVX2 rows kernel is active (for fp16 also its fp16
-//   variant), n == 1 and half a multiple of 16; each cell the bits gemm_f32 gives it.
+//   variant), n == 1, half a multiple of 16 and sgemm's order known for the shape (one order for all
+//   its column tiles); each cell the bits gemm_f32 gives it.
 bool decode_panels_wanted(bool fp16 = false);
 void write_panels(const std::uint16_t* w, std::int64_t ldw, std::int64_t n, std::int64_t k,
                   std::uint16_t* out, int num_threads = 1, bool fp16 = false);
-bool gemm_row_panels_applicable(std::int64_t n, std::int64_t half, bool fp16);
+bool gemm_row_panels_applicable(std::int64_t n, std::int64_t half, std::int64_t K, bool fp16);
 void gemm_row_panels(std::int64_t half, std::int64_t K, const float* a, const std::uint16_t* kv_panels,
                      const std::uint16_t* gate_panels, bool fp16, float* c, int num_threads);
 

@@ -205,15 +205,18 @@ bool bf16_rows_kernel_available() {
 
 const char* product_kernels() {
   static const std::string s = [] {
-    if (kernel_name().empty())
-      return std::string(gemm_rows_kernel_active() ? "f32 (dnnl_sgemm); 1-8 rows: kvcomp avx2"
-                                                   : "f32 (dnnl_sgemm)");
+    // The f32 products' note: decode-sized projections on kvcomp's AVX2 kernel (gemm_rows.hpp).
+    const std::string rows = !gemm_rows_kernel_active()  ? ""
+                             : gemm_rows_order_probed() ? "; 1-8 rows: kvcomp avx2, order probed per shape"
+                                                        : "; 1-8 rows: kvcomp avx2";
+    if (kernel_name().empty()) return "f32 (dnnl_sgemm)" + rows;
     const char* backward = bf16_split_products()      ? ", precise as hi+lo"
                            : bf16_backward_products() ? ", precise in f32"
                                                       : ", backward in f32";
-    const char* rows = bf16_rows_kernel_available() ? ", 1-8 rows and prepared weights: kvcomp avx512_bf16" : "";
-    return "bf16 (" + kernel_name() + (packed_forced() ? ", packed B" : "") + backward + rows +
-           ") + f32 (dnnl_sgemm)";
+    const char* bf16_rows =
+        bf16_rows_kernel_available() ? ", 1-8 rows and prepared weights: kvcomp avx512_bf16" : "";
+    return "bf16 (" + kernel_name() + (packed_forced() ? ", packed B" : "") + backward + bf16_rows +
+           ") + f32 (dnnl_sgemm)" + rows;
   }();
   return s.c_str();
 }

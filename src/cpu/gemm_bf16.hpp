@@ -73,10 +73,13 @@ bool bf16_backward_products();
 
 // What runs: "f32 (dnnl_sgemm)", or "bf16 (<oneDNN implementation>[, packed
 // B], precise as hi+lo | precise in f32 | backward in f32[, 1-8 rows and
-// prepared weights: kvcomp avx512_bf16]) + f32 (dnnl_sgemm)". "packed B":
+// prepared weights: kvcomp avx512_bf16]) + f32 (dnnl_sgemm)", either with
+// "; 1-8 rows: kvcomp avx2[, order probed per shape]" where the fp32 products'
+// decode rows run on kvcomp's AVX2 kernel (gemm_rows.hpp). "packed B":
 // KVCOMP_BF16_PACKED=1 in the environment packs B into oneDNN's blocked
-// layout even where its kernel would read it in place (AVX512-BF16), so that such a machine tests the code AMX runs (packing,
-// packed prepared weights, 64-row tiles); results stay row-stable and
+// layout even where its kernel would read it in place (AVX512-BF16), so that
+// such a machine tests the code AMX runs (packing, packed prepared weights,
+// 64-row tiles); results stay row-stable and
 // deterministic, but it is for tests only: decode calls pad to 64 rows, and
 // oneDNN 2.6's brg:avx512_core_bf16 refuses row-strided tiles of a packed B,
 // so most tiles run on its reference kernel there (seconds per call).

@@ -1,59 +1,84 @@
-// Products of 1-8 rows that give each row the bits oneDNN's AVX2 sgemm gives it in a long call.
+// Products of 1-8 rows that give each row the bits oneDNN's sgemm gives it in a long call.
 //
-// Row stability (gemm.hpp) pads a decode-sized fp32 product on AVX2 to 4 or more rows, and sgemm's
-// few-row path with B transposed then runs at about half the rate of its one-row path (docs/
-// performance.md). This kernel computes C[m, n] = A[m, K] . B[n, K]^T for m <= 8 in the order
-// oneDNN 2.6's AVX2 sgemm sums an element of a whole 16-column group: one fma chain per element and
-// K block, from zero, the blocks added in order (sgemm_k_blocks). So a token's row is bitwise the
-// row the same token gets from a 192-row tile, without the padding rows. The order was measured, not
-// documented: gemm.cpp checks it against sgemm once per process before the first use and keeps the
-// padding when it differs.
+// Row stability (gemm.hpp) pads a decode-sized fp32 product to 4 or more rows on AVX2, to 16 on
+// AVX-512, and sgemm's few-row path with B transposed then runs at about half the rate of its one-row
+// path on AVX2, at a sixteenth of it on AVX-512 (docs/performance.md). This kernel computes C[m, n] =
+// A[m, K] . B[n, K]^T for m <= 8 in the order oneDNN 2.6's sgemm sums an element of a whole 16-column
+// group: one fma chain per element and K block, from zero, the blocks added in order (sgemm_k_blocks).
+// So a token's row is bitwise the row the same token gets from a long tile, without the padding rows.
+// The order was measured, not documented: gemm.cpp checks it against sgemm once per process before the
+// first use and keeps the padding when it differs. The kernel itself is AVX2 + FMA code (the order, not
+// the vector width, fixes the bits), for either sgemm.
 #pragma once
 
 #include <cstdint>
 
 namespace kvcomp::detail {
 
-// The K blocks of oneDNN 2.6's AVX2 sgemm (Debian 2.6.3, measured for K 1-18432): one block up to
-// 256; beyond, blocks of 256 while more than 512 remain, then the rest in two halves (the first
-// rounded up).
+// The K blocks of oneDNN 2.6's sgemm (Debian 2.6.3) for one of its calls, as blocks of `unit`:
+// - halves: one block up to `unit`; beyond, blocks of `unit` while more than 2 `unit` remain, then the
+//   rest in two halves (the first rounded up). The AVX2 sgemm, unit 256, always (measured for K
+//   1-18432); the AVX-512 one, unit 384, for most shapes.
+// - not halves: blocks of `unit`, the last one the rest. The AVX-512 sgemm for some K and tile widths
+//   (measured on AMD Zen 5 with 256 columns: K 769-1185 and 4096, not 4071 or 4103).
+// Which rule a shape takes on AVX-512 is not documented and was not worked out: gemm.cpp probes sgemm
+// once per shape (sgemm_order_for).
+struct SgemmOrder {
+  std::int64_t unit = 256;
+  bool halves = true;
+  bool operator==(const SgemmOrder&) const = default;
+};
 struct KBlocks {
   int count = 0;
-  std::int64_t full = 0;  // leading blocks of 256
+  std::int64_t full = 0;  // leading blocks of `unit`
   std::int64_t k = 0;
-  std::int64_t half = 0;  // the first of the two last blocks
+  std::int64_t half = 0;  // the first of the two last blocks (halves), or `unit`
+  std::int64_t unit = 256;
 
-  std::int64_t begin(int i) const { return i <= full ? 256 * i : 256 * full + half; }
+  std::int64_t begin(int i) const { return i <= full ? unit * i : unit * full + half; }
   std::int64_t end(int i) const { return i + 1 < count ? begin(i + 1) : k; }
 };
-inline KBlocks sgemm_k_blocks(std::int64_t k) {
+inline KBlocks sgemm_k_blocks(std::int64_t k, SgemmOrder order) {
   KBlocks b;
   b.k = k;
-  if (k <= 256) {
+  b.unit = order.unit;
+  if (k <= order.unit) {
     b.count = 1;
     b.half = k;
     return b;
   }
-  while (k - 256 * b.full > 512) ++b.full;
-  b.half = (k - 256 * b.full + 1) / 2;
+  if (!order.halves) {
+    b.count = static_cast<int>((k + order.unit - 1) / order.unit);
+    b.full = b.count - 1;
+    b.half = order.unit;
+    return b;
+  }
+  while (k - order.unit * b.full > 2 * order.unit) ++b.full;
+  b.half = (k - order.unit * b.full + 1) / 2;
   b.count = static_cast<int>(b.full) + 2;
   return b;
 }
+// The order of oneDNN's AVX2 sgemm, and the two of its AVX-512 one.
+inline constexpr SgemmOrder kSgemmAvx2{256, true}, kSgemmAvx512Halves{384, true},
+    kSgemmAvx512Fixed{384, false};
 
 // The rows a call of the kernel may have.
 inline constexpr std::int64_t kRowsKernelMax = 8;
 
 // C[m, n] = A[m, k] . B[n, k]^T (A row-major with lda, B stored [n, k] with ldb, C row-major with ldc),
-// 1 <= m <= kRowsKernelMax, n a multiple of 16, k >= 1. AVX2 + FMA only (gemm_rows_avx2.cpp).
+// 1 <= m <= kRowsKernelMax, n a multiple of 16, k >= 1, K blocks sgemm_k_blocks(k, order). AVX2 + FMA
+// only (gemm_rows_avx2.cpp).
 void gemm_rows_avx2(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,
-                    const float* b, std::int64_t ldb, float* c, std::int64_t ldc);
+                    const float* b, std::int64_t ldb, float* c, std::int64_t ldc, SgemmOrder order);
 // The same with B in bf16, widened as it is read (exactly: the bits equal those of gemm_rows_avx2 on the
 // widened B), so a decode call need not convert its bf16 weights to fp32 first. n a multiple of 8.
 void gemm_rows_avx2_bf16(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,
-                         const std::uint16_t* b, std::int64_t ldb, float* c, std::int64_t ldc);
+                         const std::uint16_t* b, std::int64_t ldb, float* c, std::int64_t ldc,
+                         SgemmOrder order);
 // The same with B in fp16, widened as it is read by F16C (exact). AVX2 + FMA + F16C.
 void gemm_rows_avx2_f16(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,
-                        const std::uint16_t* b, std::int64_t ldb, float* c, std::int64_t ldc);
+                        const std::uint16_t* b, std::int64_t ldb, float* c, std::int64_t ldc,
+                        SgemmOrder order);
 
 // Decode panels: a 16-bit matrix B [n, k] (n a multiple of 16) stored for one-row products, so that a
 // token's projection reads the weights once, in order, at half the bytes of the fp32 copy (a one-row
@@ -79,7 +104,7 @@ void write_panels_avx2(const std::uint16_t* w, std::int64_t ldw, std::int64_t n,
 // starting at column 0 of B, c and a unaligned): each element the bits gemm_rows_avx2 gives it from B
 // widened to fp32. AVX2 + FMA (+ F16C for fp16).
 void gemm_row_avx2_panels(std::int64_t n, std::int64_t k, const float* a, const std::uint16_t* panels,
-                          float* c, bool fp16 = false);
+                          float* c, bool fp16, SgemmOrder order);
 
 // The K blocks of oneDNN 2.6's jit gemm for bf16 operands on AVX512-BF16 (Debian 2.6.3, measured on AMD
 // Zen 5 for K 1-7168, any M and N): one block up to 384; up to 1536 two, the first ceil(K / 2); beyond,

@@ -144,9 +144,9 @@ inline void k_block(const float* a, std::int64_t lda, const float* b, std::int64
 // to 4 rows; one group beyond, for the registers; 16-bit B: one group). kHalf: the format of a 16-bit B.
 template <int M, class T, Half kHalf>
 void rows_kernel(std::int64_t n, std::int64_t k, const float* a, std::int64_t lda, const T* b,
-                 std::int64_t ldb, float* c, std::int64_t ldc) {
+                 std::int64_t ldb, float* c, std::int64_t ldc, SgemmOrder order) {
   constexpr int G = std::is_same_v<T, float> && M <= 4 ? 2 : 1;
-  const KBlocks blocks = sgemm_k_blocks(k);
+  const KBlocks blocks = sgemm_k_blocks(k, order);
   for (std::int64_t n0 = 0; n0 < n; n0 += 8 * G) {
     for (int blk = 0; blk < blocks.count; ++blk) {
       __m256 acc[G][M];
@@ -164,11 +164,12 @@ void rows_kernel(std::int64_t n, std::int64_t k, const float* a, std::int64_t ld
 // rows_kernel<m, T, kHalf> for a run-time m in [1, kRowsKernelMax].
 template <class T, Half kHalf, std::size_t... I>
 void rows_dispatch(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,
-                   const T* b, std::int64_t ldb, float* c, std::int64_t ldc, std::index_sequence<I...>) {
+                   const T* b, std::int64_t ldb, float* c, std::int64_t ldc, SgemmOrder order,
+                   std::index_sequence<I...>) {
   using Fn = void (*)(std::int64_t, std::int64_t, const float*, std::int64_t, const T*, std::int64_t, float*,
-                      std::int64_t);
+                      std::int64_t, SgemmOrder);
   static constexpr Fn kernels[] = {&rows_kernel<static_cast<int>(I) + 1, T, kHalf>...};
-  kernels[std::clamp<std::int64_t>(m, 1, sizeof...(I)) - 1](n, k, a, lda, b, ldb, c, ldc);
+  kernels[std::clamp<std::int64_t>(m, 1, sizeof...(I)) - 1](n, k, a, lda, b, ldb, c, ldc, order);
 }
 
 // One row against one panel of G 16-column groups (gemm_rows.hpp): acc[g] = the fma chain over k in
@@ -205,8 +206,8 @@ inline void panel_k_block(const float* a, const std::uint16_t* panel, std::int64
 }
 
 template <int G, Half kHalf>
-void panel_row(std::int64_t k, const float* a, const std::uint16_t* panel, float* c) {
-  const KBlocks blocks = sgemm_k_blocks(k);
+void panel_row(std::int64_t k, const float* a, const std::uint16_t* panel, float* c, SgemmOrder order) {
+  const KBlocks blocks = sgemm_k_blocks(k, order);
   for (int blk = 0; blk < blocks.count; ++blk) {
     __m256 acc[2 * G];
     panel_k_block<G, kHalf>(a, panel, blocks.begin(blk), blocks.end(blk), acc);
@@ -235,21 +236,22 @@ inline void transpose8x8_epi16(__m128i (&r)[8]) {
 
 // One row against panels of n columns, panel after panel.
 template <Half kHalf>
-void row_panels(std::int64_t n, std::int64_t k, const float* a, const std::uint16_t* panels, float* c) {
+void row_panels(std::int64_t n, std::int64_t k, const float* a, const std::uint16_t* panels, float* c,
+                SgemmOrder order) {
   for (std::int64_t p0 = 0; p0 < n; p0 += kPanelWidth) {
     const std::uint16_t* panel = panels + p0 * k;
     switch (std::min(kPanelWidth, n - p0) / 16) {
       case 4:
-        panel_row<4, kHalf>(k, a, panel, c + p0);
+        panel_row<4, kHalf>(k, a, panel, c + p0, order);
         break;
       case 3:
-        panel_row<3, kHalf>(k, a, panel, c + p0);
+        panel_row<3, kHalf>(k, a, panel, c + p0, order);
         break;
       case 2:
-        panel_row<2, kHalf>(k, a, panel, c + p0);
+        panel_row<2, kHalf>(k, a, panel, c + p0, order);
         break;
       default:
-        panel_row<1, kHalf>(k, a, panel, c + p0);
+        panel_row<1, kHalf>(k, a, panel, c + p0, order);
         break;
     }
   }
@@ -287,28 +289,30 @@ void write_panels_avx2(const std::uint16_t* w, std::int64_t ldw, std::int64_t n,
 }
 
 void gemm_row_avx2_panels(std::int64_t n, std::int64_t k, const float* a, const std::uint16_t* panels,
-                          float* c, bool fp16) {
+                          float* c, bool fp16, SgemmOrder order) {
   if (fp16)
-    row_panels<Half::f16>(n, k, a, panels, c);
+    row_panels<Half::f16>(n, k, a, panels, c, order);
   else
-    row_panels<Half::bf16>(n, k, a, panels, c);
+    row_panels<Half::bf16>(n, k, a, panels, c, order);
 }
 
 void gemm_rows_avx2(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,
-                    const float* b, std::int64_t ldb, float* c, std::int64_t ldc) {
-  rows_dispatch<float, Half::bf16>(m, n, k, a, lda, b, ldb, c, ldc,
+                    const float* b, std::int64_t ldb, float* c, std::int64_t ldc, SgemmOrder order) {
+  rows_dispatch<float, Half::bf16>(m, n, k, a, lda, b, ldb, c, ldc, order,
                                    std::make_index_sequence<kRowsKernelMax>{});
 }
 
 void gemm_rows_avx2_bf16(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,
-                         const std::uint16_t* b, std::int64_t ldb, float* c, std::int64_t ldc) {
-  rows_dispatch<std::uint16_t, Half::bf16>(m, n, k, a, lda, b, ldb, c, ldc,
+                         const std::uint16_t* b, std::int64_t ldb, float* c, std::int64_t ldc,
+                         SgemmOrder order) {
+  rows_dispatch<std::uint16_t, Half::bf16>(m, n, k, a, lda, b, ldb, c, ldc, order,
                                            std::make_index_sequence<kRowsKernelMax>{});
 }
 
 void gemm_rows_avx2_f16(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,
-                        const std::uint16_t* b, std::int64_t ldb, float* c, std::int64_t ldc) {
-  rows_dispatch<std::uint16_t, Half::f16>(m, n, k, a, lda, b, ldb, c, ldc,
+                        const std::uint16_t* b, std::int64_t ldb, float* c, std::int64_t ldc,
+                        SgemmOrder order) {
+  rows_dispatch<std::uint16_t, Half::f16>(m, n, k, a, lda, b, ldb, c, ldc, order,
                                           std::make_index_sequence<kRowsKernelMax>{});
 }
 

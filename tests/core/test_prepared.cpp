@@ -208,11 +208,20 @@ TEST(PreparedDecode, OneTokenCallsReadTheDecodePanels) {
         ASSERT_TRUE(plain.run().ok());
         const Status s = prepared.run();
         ASSERT_TRUE(s.ok()) << s.message;
-        // Read where the AVX2 rows kernel runs (not under KVCOMP_ISA=scalar, which ctest also runs).
-        const bool read = panels && std::string(product_kernels()).find("kvcomp avx2") != std::string::npos;
-        const bool expect_same = !read || c.B == 2;
-        EXPECT_EQ(same_bits(plain.cmp_kv, prepared.cmp_kv), expect_same)
-            << (io == DType::f16 ? "fp16" : "bf16") << ", B = " << c.B << ", D = " << D;
+        // Read where the AVX2 rows kernel runs (not under KVCOMP_ISA=scalar, which ctest also runs); where
+        // its order is probed per shape (oneDNN's AVX-512 sgemm), only if this shape's order is known, so
+        // a one-token call may or may not read them there.
+        const std::string kernels = product_kernels();
+        const bool read = panels && kernels.find("kvcomp avx2") != std::string::npos;
+        const bool probed = kernels.find("order probed per shape") != std::string::npos;
+        const bool same = same_bits(plain.cmp_kv, prepared.cmp_kv);
+        if (c.B == 2 || !read)
+          EXPECT_TRUE(same) << (io == DType::f16 ? "fp16" : "bf16") << ", B = " << c.B << ", D = " << D;
+        else if (!probed)
+          EXPECT_FALSE(same) << (io == DType::f16 ? "fp16" : "bf16") << ", B = 1, D = " << D;
+        else
+          RecordProperty(std::string(io == DType::f16 ? "fp16" : "bf16") + "_D" + std::to_string(D) + "_read",
+                         same ? "no" : "yes");
       }
     }
   if (!any_panels) GTEST_SKIP() << "this machine's prepared weights hold no decode panels (gemm.hpp)";

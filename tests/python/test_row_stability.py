@@ -2,21 +2,24 @@
 many rows its call has or where in the call it sits. So a sequence split over two calls (start_pos,
 the state cache carrying the rows in between) gives the one-call result bit for bit, and a sequence's
 outputs and d_x do not change when other sequences share its TH call. ctest runs this file twice:
-with oneDNN's own ISA choice and capped at AVX2 (DNNL_MAX_CPU_ISA), whose kernels differ."""
+with oneDNN's own ISA choice and capped at AVX2 (DNNL_MAX_CPU_ISA), whose kernels differ. fp16 calls
+take the fp32 products on every CPU here (sgemm, and kvcomp's own kernel for decode rows in sgemm's
+order, probed per shape on AVX-512), bf16 calls the bf16 units where the CPU has them."""
 
 import pytest
 import torch
 
+import kvcomp
 import kvcomp.torch as kt
 
 H, D, R = 96, 16, 4
 
 
-def _weights(coff, seed=3, hidden=H, d=D):
+def _weights(coff, seed=3, hidden=H, d=D, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
     C = coff * d
-    wkv = (torch.randn(C, hidden, generator=g) / hidden**0.5).bfloat16()
-    wgate = (torch.randn(C, hidden, generator=g) / hidden**0.5).bfloat16()
+    wkv = (torch.randn(C, hidden, generator=g) / hidden**0.5).to(dtype)
+    wgate = (torch.randn(C, hidden, generator=g) / hidden**0.5).to(dtype)
     ape = 0.5 * torch.randn(R, C, generator=g)
     return wkv, wgate, ape
 
@@ -45,18 +48,19 @@ def test_chunked_prefill_equals_one_call(coff, T, cuts):
         assert torch.equal(rows, whole[0, first:first + rows.shape[0]])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hidden,d", [(96, 16), (1003, 16), (4096, 16), (300, 6)])
-def test_every_small_row_count_equals_one_call(hidden, d):
+def test_every_small_row_count_equals_one_call(hidden, d, dtype):
     """One sequence prefilled by calls of 1 to 20, 58 to 67 and 90 to 99 tokens, one after another
     (on AVX2 a call of up to 8 rows runs on kvcomp's own kernel, src/cpu/gemm_rows.hpp, and a longer
     call of up to 64 or 96 rows is padded by its row count modulo 6, src/cpu/gemm.cpp): every token's
     projection in the state cache equals the one-call prefill bit for bit. d = 6 gives 24 projection
     columns: a partial 16-column group, which the kernel leaves to sgemm."""
     coff = 2
-    wkv, wgate, ape = _weights(coff, seed=hidden, hidden=hidden, d=d)
+    wkv, wgate, ape = _weights(coff, seed=hidden, hidden=hidden, d=d, dtype=dtype)
     sizes = list(range(1, 21)) + list(range(58, 68)) + list(range(90, 100))
     T, bs = sum(sizes), 8
-    x = torch.randn(1, T, hidden, generator=torch.Generator().manual_seed(T)).bfloat16()
+    x = torch.randn(1, T, hidden, generator=torch.Generator().manual_seed(T)).to(dtype)
     cols = -(-T // bs)
     table = torch.arange(1, cols + 1, dtype=torch.int32)[None]
     cache = torch.zeros(cols + 1, bs, 2 * coff * d)
@@ -99,18 +103,22 @@ def test_sequence_alone_or_after_others(coff, other):
     assert torch.equal(dx1, dx2)
 
 
+@pytest.mark.parametrize("prepared", [False, True])
+@pytest.mark.parametrize("dtype,hidden", [(torch.bfloat16, H), (torch.float16, H), (torch.float16, 1003)])
 @pytest.mark.parametrize("coff", [1, 2])
 @pytest.mark.parametrize("B", [1, 3, 70])
-def test_decode_token_by_token_equals_one_call(coff, B):
+def test_decode_token_by_token_equals_one_call(coff, B, dtype, hidden, prepared):
     """B sequences prefilled in one call, and the same sequences decoded one token per call (B rows a
-    call: the one-row and few-row products of decode against the 1024-row chunks of the prefill): the
-    state cache and every closed block's output bit for bit."""
-    wkv, wgate, ape = _weights(coff)
+    call: the one-row and few-row products of decode against the 1024-row chunks of the prefill), the
+    decode calls with or without prepared weights (their panels): the state cache and every closed
+    block's output bit for bit."""
+    wkv, wgate, ape = _weights(coff, hidden=hidden, dtype=dtype)
+    blob = kvcomp.prepare_weights(wkv, wgate) if prepared else None
     # A prefill of two or more 1024-row chunks: 1031 tokens, or for 70 sequences (decode rows of more
     # than one 64-row tile) 45 tokens each, 2240 rows.
     T, bs = (1031 if B < 64 else 45), 8
     cols = -(-T // bs)
-    x = torch.randn(B, T, H, generator=torch.Generator().manual_seed(B)).bfloat16()
+    x = torch.randn(B, T, hidden, generator=torch.Generator().manual_seed(B)).to(dtype)
     steps = 13  # the last `steps` tokens decoded, the rest prefilled
     table = torch.arange(1, B * cols + 1, dtype=torch.int32).reshape(B, cols)
     cache = torch.zeros(B * cols + 1, bs, 2 * coff * D)
@@ -118,8 +126,9 @@ def test_decode_token_by_token_equals_one_call(coff, B):
     cache2 = torch.zeros_like(cache)
     kt.compressor(x[:, :T - steps], wkv, wgate, cache2, ape, R, state_block_table=table, coff=coff)
     for t in range(T - steps, T):
-        out = kt.compressor(x[:, t:t + 1], wkv, wgate, cache2, ape, R, state_block_table=table, coff=coff,
-                            start_pos=torch.full((B,), t, dtype=torch.int32))
+        out = kvcomp.compressor_forward(x[:, t:t + 1], wkv, wgate, cache2, ape, R, state_block_table=table,
+                                        coff=coff, start_pos=torch.full((B,), t, dtype=torch.int32),
+                                        prepared_weights=blob)[0]
         if (t + 1) % R == 0:  # this token closed block t // R of every sequence
             assert torch.equal(out[:, 0], whole[:, t // R])
     assert torch.equal(cache, cache2)
