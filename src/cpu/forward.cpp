@@ -190,8 +190,9 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
       if (!ok) return {StatusCode::runtime_error, "[kvcomp] oneDNN bf16 matmul for the projections failed"};
     } else {
       rows_to_f32(x_rows, d.io, n, H, buf.xf, buf.ld_h, num_threads);
-      if (prepared.kv_panels && gemm_row_panels_applicable(n, C, H, fp16)) {  // one token: the decode panels
-        gemm_row_panels(C, H, buf.xf, prepared.kv_panels, prepared.gate_panels, fp16, rows, num_threads);
+      if (prepared.kv_panels && gemm_row_panels_applicable(n, C, H, fp16)) {  // decode panels
+        gemm_row_panels(n, C, H, buf.xf, buf.ld_h, prepared.kv_panels, prepared.gate_panels, fp16, rows,
+                        buf.ld_c2, num_threads);
       } else if (half_in_place) {  // [new_kv | new_score] = x . [wkv ; wgate]^T, the weights as they lie
         gemm_rows_16bit_weights(n, C, H, buf.xf, buf.ld_h, static_cast<const std::uint16_t*>(args.wkv.data),
                                 static_cast<const std::uint16_t*>(args.wgate.data), fp16, rows, buf.ld_c2,

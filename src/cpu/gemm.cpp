@@ -299,17 +299,22 @@ void write_panels(const std::uint16_t* w, std::int64_t ldw, std::int64_t n, std:
 }
 
 bool gemm_row_panels_applicable(std::int64_t n, std::int64_t half, std::int64_t K, bool fp16) {
-  return n == 1 && half > 0 && half % 16 == 0 && rows_kernel_for(fp16) &&
-         projection_order(half, K).has_value();
+  const bool rows_ok = n == 1 || (n > 1 && active_isa() >= Isa::avx512);
+  return rows_ok && half > 0 && half % 16 == 0 && rows_kernel_for(fp16) && projection_order(half, K).has_value();
 }
 
-void gemm_row_panels(std::int64_t half, std::int64_t K, const float* a, const std::uint16_t* kv_panels,
-                     const std::uint16_t* gate_panels, bool fp16, float* c, int num_threads) {
+void gemm_row_panels(std::int64_t n, std::int64_t half, std::int64_t K, const float* a, std::int64_t lda,
+                     const std::uint16_t* kv_panels, const std::uint16_t* gate_panels, bool fp16, float* c,
+                     std::int64_t ldc, int num_threads) {
   const SgemmOrder order = projection_order(half, K).value_or(kSgemmAvx2);  // applicable: known
   // One panel per tile.
   deal_weight_tiles(half, kPanelWidth, num_threads, [&](bool gate, std::int64_t n0, std::int64_t nt) {
-    gemm_row_avx2_panels(nt, K, a, (gate ? gate_panels : kv_panels) + n0 * K, c + (gate ? half : 0) + n0,
-                         fp16, order);
+    const std::uint16_t* panel = (gate ? gate_panels : kv_panels) + n0 * K;
+    float* out = c + (gate ? half : 0) + n0;
+    if (n == 1)
+      gemm_row_avx2_panels(nt, K, a, panel, out, fp16, order);
+    else
+      gemm_rows_avx512_panels(n, nt, K, a, lda, panel, out, ldc, fp16, order);
   });
 }
 

@@ -103,15 +103,17 @@ void gemm_rows_16bit_weights(std::int64_t n, std::int64_t half, std::int64_t K, 
 //   unless KVCOMP_DECODE_PANELS=0 (read once; the blob is then 2/3 of the size).
 // - write_panels: the panels of w [n, k] (bf16, or fp16 when `fp16`; row stride ldw, n a multiple of 16)
 //   into out (n * k elements); AVX2 (called only where decode_panels_wanted or the rows kernel runs).
-// - gemm_row_panels_applicable / gemm_row_panels: the forward projection of a one-row call from them,
-//   C[0, 2 * half] = a . [wkv ; wgate]^T: where the AVX2 rows kernel is active (for fp16 also its fp16
-//   variant), n == 1, half a multiple of 16 and sgemm's order known for the shape (one order for all
-//   its column tiles); each cell the bits gemm_f32 gives it.
+// - gemm_row_panels_applicable / gemm_row_panels: the forward projection of an n-row call from them,
+//   C[n, 2 * half] = A . [wkv ; wgate]^T (A row stride lda, C ldc): where the AVX2 rows kernel is active
+//   (for fp16 also its fp16 variant), n == 1 (AVX2) or any n where kvcomp's kernels run AVX-512
+//   (gemm_rows_avx512_panels), half a multiple of 16 and sgemm's order known for the shape (one order
+//   for all its column tiles); each cell the bits gemm_f32 gives it.
 bool decode_panels_wanted(bool fp16 = false);
 void write_panels(const std::uint16_t* w, std::int64_t ldw, std::int64_t n, std::int64_t k,
                   std::uint16_t* out, int num_threads = 1, bool fp16 = false);
 bool gemm_row_panels_applicable(std::int64_t n, std::int64_t half, std::int64_t K, bool fp16);
-void gemm_row_panels(std::int64_t half, std::int64_t K, const float* a, const std::uint16_t* kv_panels,
-                     const std::uint16_t* gate_panels, bool fp16, float* c, int num_threads);
+void gemm_row_panels(std::int64_t n, std::int64_t half, std::int64_t K, const float* a, std::int64_t lda,
+                     const std::uint16_t* kv_panels, const std::uint16_t* gate_panels, bool fp16, float* c,
+                     std::int64_t ldc, int num_threads);
 
 }  // namespace kvcomp::detail

@@ -105,6 +105,12 @@ void write_panels_avx2(const std::uint16_t* w, std::int64_t ldw, std::int64_t n,
 // widened to fp32. AVX2 + FMA (+ F16C for fp16).
 void gemm_row_avx2_panels(std::int64_t n, std::int64_t k, const float* a, const std::uint16_t* panels,
                           float* c, bool fp16, SgemmOrder order);
+// C[m, n] = A[m, k] . B^T for any m >= 1, B in the same panels: each element the bits gemm_rows_avx2 gives
+// it from B widened to fp32 (the same chain per element; tiles of 12 rows x 32 columns of 16-lane
+// vectors). AVX-512 F/BW/VL (gemm_rows_avx512_f32.cpp).
+void gemm_rows_avx512_panels(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,
+                             const std::uint16_t* panels, float* c, std::int64_t ldc, bool fp16,
+                             SgemmOrder order);
 
 // The K blocks of oneDNN 2.6's jit gemm for bf16 operands on AVX512-BF16 (Debian 2.6.3, measured on AMD
 // Zen 5 for K 1-7168, any M and N): one block up to 384; up to 1536 two, the first ceil(K / 2); beyond,

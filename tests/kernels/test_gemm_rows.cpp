@@ -315,6 +315,51 @@ TEST(GemmRows, Fp16DecodePanelsGiveTheBitsOfTheWidenedRows) {
   check_panels(true);
 }
 
+// The AVX-512 kernel on the same panels, any number of rows, gives each row the bits of the AVX2 rows
+// kernel on the widened weights (checked against sgemm above), in each order it may be given: panel
+// widths of one to four groups (one or two at a time, bf16's lane shuffles), K across the blocks of both
+// orders, rows in tiles of 12 and their rest.
+void check_avx512_panels(bool fp16) {
+  std::mt19937 rng(fp16 ? 16 : 15);
+  for (const i64 k : {1, 7, 385, 769, 1003, 4096})
+    for (const i64 n : {16, 48, 80, 256}) {
+      const i64 m_max = 64, lda = k + 3, ldc = n + 8;
+      std::vector<float> a(m_max * lda), b(n * k);
+      std::vector<std::uint16_t> b16(n * k);
+      fill_operands(rng, k, lda, 3, a, b16, b, fp16);
+      const std::vector<std::uint16_t> panels = panels_of(b16, n, k, k, fp16);
+      for (const SgemmOrder order : {kSgemmAvx2, kSgemmAvx512Halves, kSgemmAvx512Fixed}) {
+        std::vector<float> want(m_max * ldc, -7.0f);
+        for (i64 r = 0; r < m_max; r += kRowsKernelMax)
+          gemm_rows_avx2(kRowsKernelMax, n, k, a.data() + r * lda, lda, b.data(), k, want.data() + r * ldc, ldc,
+                         order);
+        for (const i64 m : {2, 9, 12, 13, 64}) {
+          std::vector<float> got((m + 1) * ldc, -7.0f);
+          gemm_rows_avx512_panels(m, n, k, a.data(), lda, panels.data(), got.data(), ldc, fp16, order);
+          for (i64 i = 0; i < m; ++i)
+            ASSERT_EQ(std::memcmp(got.data() + i * ldc, want.data() + i * ldc, n * sizeof(float)), 0)
+                << "K " << k << ", " << n << " columns, " << m << " rows: row " << i << ", unit " << order.unit
+                << (order.halves ? " halves" : " fixed");
+          for (i64 j = 0; j < static_cast<i64>(got.size()); ++j) {
+            if (j % ldc >= n || j >= m * ldc) {
+              ASSERT_EQ(got[j], -7.0f) << "float " << j << " written";
+            }
+          }
+        }
+      }
+    }
+}
+
+TEST(GemmRows, Avx512PanelsOfManyRowsGiveTheRowsKernelBits) {
+  if (detected_isa() < Isa::avx512) GTEST_SKIP() << "the CPU lacks AVX-512";
+  check_avx512_panels(false);
+}
+
+TEST(GemmRows, Avx512Fp16PanelsOfManyRowsGiveTheRowsKernelBits) {
+  if (detected_isa() < Isa::avx512) GTEST_SKIP() << "the CPU lacks AVX-512";
+  check_avx512_panels(true);
+}
+
 // The library's panel writer lays the weights out as described (the layout of panels_of, bf16 and fp16),
 // for every panel width and K with and without a tail of fewer than 8.
 TEST(GemmRows, WritePanelsLaysOutTheDescribedPanels) {
