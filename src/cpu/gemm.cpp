@@ -300,7 +300,8 @@ void write_panels(const std::uint16_t* w, std::int64_t ldw, std::int64_t n, std:
 
 bool gemm_row_panels_applicable(std::int64_t n, std::int64_t half, std::int64_t K, bool fp16) {
   const bool rows_ok = n == 1 || (n > 1 && active_isa() >= Isa::avx512);
-  return rows_ok && half > 0 && half % 16 == 0 && rows_kernel_for(fp16) && projection_order(half, K).has_value();
+  return rows_ok && half > 0 && half % 16 == 0 && rows_kernel_for(fp16) &&
+         projection_order(half, K).has_value();
 }
 
 void gemm_row_panels(std::int64_t n, std::int64_t half, std::int64_t K, const float* a, std::int64_t lda,

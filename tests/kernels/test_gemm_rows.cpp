@@ -331,15 +331,15 @@ void check_avx512_panels(bool fp16) {
       for (const SgemmOrder order : {kSgemmAvx2, kSgemmAvx512Halves, kSgemmAvx512Fixed}) {
         std::vector<float> want(m_max * ldc, -7.0f);
         for (i64 r = 0; r < m_max; r += kRowsKernelMax)
-          gemm_rows_avx2(kRowsKernelMax, n, k, a.data() + r * lda, lda, b.data(), k, want.data() + r * ldc, ldc,
-                         order);
+          gemm_rows_avx2(kRowsKernelMax, n, k, a.data() + r * lda, lda, b.data(), k, want.data() + r * ldc,
+                         ldc, order);
         for (const i64 m : {2, 9, 12, 13, 64}) {
           std::vector<float> got((m + 1) * ldc, -7.0f);
           gemm_rows_avx512_panels(m, n, k, a.data(), lda, panels.data(), got.data(), ldc, fp16, order);
           for (i64 i = 0; i < m; ++i)
             ASSERT_EQ(std::memcmp(got.data() + i * ldc, want.data() + i * ldc, n * sizeof(float)), 0)
-                << "K " << k << ", " << n << " columns, " << m << " rows: row " << i << ", unit " << order.unit
-                << (order.halves ? " halves" : " fixed");
+                << "K " << k << ", " << n << " columns, " << m << " rows: row " << i << ", unit "
+                << order.unit << (order.halves ? " halves" : " fixed");
           for (i64 j = 0; j < static_cast<i64>(got.size()); ++j) {
             if (j % ldc >= n || j >= m * ldc) {
               ASSERT_EQ(got[j], -7.0f) << "float " << j << " written";
