@@ -105,13 +105,15 @@ void gemm_rows_16bit_weights(std::int64_t n, std::int64_t half, std::int64_t K, 
 //   into out (n * k elements); AVX2 (called only where decode_panels_wanted or the rows kernel runs).
 // - gemm_row_panels_applicable / gemm_row_panels: the forward projection of an n-row call from them,
 //   C[n, 2 * half] = A . [wkv ; wgate]^T (A row stride lda, C ldc): where the AVX2 rows kernel is active
-//   (for fp16 also its fp16 variant), n == 1 (AVX2) or any n where kvcomp's kernels run AVX-512
-//   (gemm_rows_avx512_panels), half a multiple of 16 and sgemm's order known for the shape (one order
+//   (for fp16 also its fp16 variant), n == 1 (AVX2) or up to kPanelRowsMax where kvcomp's kernels run
+//   AVX-512 (gemm_rows_avx512_panels), half a multiple of 16 and sgemm's order known for the shape (one order
 //   for all its column tiles); each cell the bits gemm_f32 gives it.
 bool decode_panels_wanted(bool fp16 = false);
 void write_panels(const std::uint16_t* w, std::int64_t ldw, std::int64_t n, std::int64_t k,
                   std::uint16_t* out, int num_threads = 1, bool fp16 = false);
 bool gemm_row_panels_applicable(std::int64_t n, std::int64_t half, std::int64_t K, bool fp16);
+// The most rows gemm_row_panels takes on AVX-512 (longer calls keep sgemm on the fp32 rows).
+constexpr std::int64_t kPanelRowsMax = 256;
 void gemm_row_panels(std::int64_t n, std::int64_t half, std::int64_t K, const float* a, std::int64_t lda,
                      const std::uint16_t* kv_panels, const std::uint16_t* gate_panels, bool fp16, float* c,
                      std::int64_t ldc, int num_threads);
