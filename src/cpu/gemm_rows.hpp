@@ -144,7 +144,9 @@ std::int64_t bf16_panel_pairs(std::int64_t k);
 // Writes the panels of w [n, k] (row stride ldw) into out (32 n / 16 bf16_panel_pairs(k) elements).
 void write_panels_avx512_bf16(const std::uint16_t* w, std::int64_t ldw, std::int64_t n, std::int64_t k,
                               std::uint16_t* out);
-// gemm_rows_avx512_bf16 on B's panels (those of its columns [0, n), from group 0): the same bits.
+// gemm_rows_avx512_bf16 on B's panels (those of its columns [0, n), from group 0): the same bits, and
+// for any m >= 1 (more than 8 rows in tiles of 6 rows x 4 groups, each A pair broadcast; the chain per
+// element is the same).
 void gemm_rows_avx512_bf16_panels(std::int64_t m, std::int64_t n, std::int64_t k, const std::uint16_t* a,
                                   std::int64_t lda, const std::uint16_t* panels, float* c, std::int64_t ldc);
 

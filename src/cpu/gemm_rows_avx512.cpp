@@ -1,5 +1,6 @@
-// The AVX512-BF16 kernel for bf16 products of 1-8 rows (gemm_rows.hpp). Compiled with -mavx512f -mavx512bw
-// -mavx512bf16; called only where the CPU has AVX512-BF16 and the order was checked against oneDNN.
+// The AVX512-BF16 kernel for bf16 products of 1-8 rows, and of any number of rows on decode panels
+// (gemm_rows.hpp). Compiled with -mavx512f -mavx512bw -mavx512bf16; called only where the CPU has
+// AVX512-BF16 and the order was checked against oneDNN.
 // GCC 12 reports the undefined pass-through operand inside its AVX-512 unpack intrinsics as maybe
 // uninitialized (a false positive of its headers).
 #if defined(__GNUC__) && !defined(__clang__)

@@ -81,6 +81,17 @@ std::optional<SgemmOrder> order_of(F&& same) {
 // Shapes with and without an order, per test: on AVX2 every shape must have the one order.
 struct OrderCount {
   int matched = 0, unmatched = 0;
+  // The shape's order: the first candidate under which run(order) writes the long call's first row
+  // (`ref`, n values) into `out`; counted.
+  template <class Run>
+  std::optional<SgemmOrder> find(Run&& run, const float* out, const float* ref, i64 n) {
+    const std::optional<SgemmOrder> order = order_of([&](SgemmOrder o) {
+      run(o);
+      return std::memcmp(out, ref, n * sizeof(float)) == 0;
+    });
+    ++(order ? matched : unmatched);
+    return order;
+  }
   void check() const {
     EXPECT_GT(matched, 0) << "no shape has a known order";
     if (candidate_orders().size() == 1) {
@@ -153,15 +164,10 @@ TEST(GemmRows, EveryRowEqualsItsRowInALongSgemmCall) {
       ASSERT_EQ(
           dnnl_sgemm('N', 'T', long_rows, n, k, 1.0f, a.data(), lda, b.data(), ldb, 0.0f, ref.data(), ldc),
           dnnl_success);
-      const std::optional<SgemmOrder> order = order_of([&](SgemmOrder o) {
-        gemm_rows_avx2(1, n, k, a.data(), lda, b.data(), ldb, out.data(), ldc, o);
-        return std::memcmp(out.data(), ref.data(), n * sizeof(float)) == 0;
-      });
-      if (!order) {
-        ++count.unmatched;
-        continue;
-      }
-      ++count.matched;
+      const std::optional<SgemmOrder> order = count.find(
+          [&](SgemmOrder o) { gemm_rows_avx2(1, n, k, a.data(), lda, b.data(), ldb, out.data(), ldc, o); },
+          out.data(), ref.data(), n);
+      if (!order) continue;
       for (i64 m = 1; m <= kRowsKernelMax; ++m)
         for (const i64 r0 : {i64{0}, i64{5}, i64{100}, long_rows - m}) {
           gemm_rows_avx2(m, n, k, a.data() + r0 * lda, lda, b.data(), ldb, out.data(), ldc, *order);
@@ -211,15 +217,10 @@ void check_16bit_weights(bool fp16) {
         ASSERT_EQ(
             dnnl_sgemm('N', 'T', long_rows, n, k, 1.0f, a.data(), lda, b.data(), ldb, 0.0f, ref.data(), ldc),
             dnnl_success);
-        const std::optional<SgemmOrder> order = order_of([&](SgemmOrder o) {
-          kernel(1, n, k, a.data(), lda, b16.data(), ldb, out.data(), ldc, o);
-          return std::memcmp(out.data(), ref.data(), n * sizeof(float)) == 0;
-        });
-        if (!order) {
-          ++count.unmatched;
-          continue;
-        }
-        ++count.matched;
+        const std::optional<SgemmOrder> order = count.find(
+            [&](SgemmOrder o) { kernel(1, n, k, a.data(), lda, b16.data(), ldb, out.data(), ldc, o); },
+            out.data(), ref.data(), n);
+        if (!order) continue;
         for (i64 m = 1; m <= kRowsKernelMax; ++m)
           for (const i64 r0 : {i64{0}, i64{7}, long_rows - m}) {
             kernel(m, n, k, a.data() + r0 * lda, lda, b16.data(), ldb, out.data(), ldc, *order);
@@ -279,16 +280,11 @@ void check_panels(bool fp16) {
           dnnl_sgemm('N', 'T', long_rows, n, k, 1.0f, a.data(), lda, b.data(), ldb, 0.0f, ref.data(), ldc),
           dnnl_success);
       // The shape's order from the rows kernel on the widened weights; the panels must then agree.
-      const std::optional<SgemmOrder> order = order_of([&](SgemmOrder o) {
-        std::vector<float> row(ldc);
-        gemm_rows_avx2(1, n, k, a.data(), lda, b.data(), ldb, row.data(), ldc, o);
-        return std::memcmp(row.data(), ref.data(), n * sizeof(float)) == 0;
-      });
-      if (!order) {
-        ++count.unmatched;
-        continue;
-      }
-      ++count.matched;
+      std::vector<float> row(ldc);
+      const std::optional<SgemmOrder> order = count.find(
+          [&](SgemmOrder o) { gemm_rows_avx2(1, n, k, a.data(), lda, b.data(), ldb, row.data(), ldc, o); },
+          row.data(), ref.data(), n);
+      if (!order) continue;
       for (const i64 r0 : {i64{0}, i64{37}, long_rows - 1}) {
         gemm_row_avx2_panels(n, k, a.data() + r0 * lda, panels.data(), out.data(), fp16, *order);
         ASSERT_EQ(std::memcmp(out.data(), ref.data() + r0 * ldc, n * sizeof(float)), 0)

@@ -1,4 +1,5 @@
-// The AVX512-BF16 kernel for bf16 products of 1-8 rows (src/cpu/gemm_rows.hpp) against oneDNN's jit gemm:
+// The AVX512-BF16 kernel for bf16 products of 1-8 rows, and of any number on decode panels
+// (src/cpu/gemm_rows.hpp), against oneDNN's jit gemm:
 // every row it computes must carry the bits the jit gemm gives the same row inside a long call (a
 // 256-row tile of a prefill), for every K, column count and row position, on one thread as gemm_bf16
 // calls it. Without AVX512-BF16, or where oneDNN runs another kernel for these shapes (AMX), it reports
