@@ -485,11 +485,11 @@ void gemm_bf16_rows_kernel(const Bf16Shape& s, std::int64_t M, const std::uint16
     schedule(dynamic, 1)
   for (std::int64_t i = 0; i < tiles; ++i) {
     const std::int64_t j = i % col_tiles, r0 = i / col_tiles * rows, m = std::min(rows, M - r0);
+    if (m <= 0) continue;
     const Bf16Target& x = targets[static_cast<std::size_t>(j / per)];
     const std::int64_t n0 = j % per * kBf16TileCols, nt = std::min(kBf16TileCols, s.N - n0);
     const std::uint16_t* ar = a + r0 * s.lda;
     float* cr = x.c + r0 * s.ldc + n0;
-    if (m <= 0) continue;
     if (panels)
       gemm_rows_avx512_bf16_panels(m, nt, s.K, ar, s.lda, panels[j / per] + n0 / 16 * group, cr, s.ldc);
     else

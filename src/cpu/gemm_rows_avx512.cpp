@@ -121,60 +121,12 @@ void rows_kernel(std::int64_t n, std::int64_t k, const std::uint16_t* a, std::in
     }
 }
 
-// Panel kernel (gemm_rows.hpp): acc[g][m] = the chain of group g's pairs [0, np) of one K block; t points
-// at the block's first pair of group 0, groups `group` vectors apart. G groups side by side: the panels
-// stream contiguously, and each chain waits on its previous vdpbf16ps, so G x M chains keep the unit
-// busy (C4A, 8 rows, per call on Zen 5: 0.58 ms with one group at a time, 0.28-0.31 ms with two).
-template <int M, int G>
-inline void panel_block(const std::uint16_t* a, std::int64_t lda, std::int64_t k0, const __m512i* t,
-                        std::int64_t group, std::int64_t np, bool odd, __m512 (&acc)[G][M]) {
-  for (int g = 0; g < G; ++g)
-    for (int m = 0; m < M; ++m) acc[g][m] = _mm512_setzero_ps();
-  for (std::int64_t p = 0; p < np; ++p) {
-    const bool single = odd && p + 1 == np;
-    std::uint32_t pair[M];
-    for (int m = 0; m < M; ++m) pair[m] = a_pair(a + m * lda, k0 + 2 * p, single);
-#pragma GCC unroll 8
-    for (int g = 0; g < G; ++g) {
-      const __m512i v = _mm512_loadu_si512(t + g * group + p);
-#pragma GCC unroll 8
-      for (int m = 0; m < M; ++m)
-        acc[g][m] = _mm512_dpbf16_ps(acc[g][m], (__m512bh)_mm512_set1_epi32(static_cast<int>(pair[m])),
-                                     (__m512bh)v);
-    }
-  }
-}
-
-template <int M, int G>
-void panel_groups(std::int64_t g0, const Bf16KBlocks& blocks, std::int64_t group, const std::uint16_t* a,
-                  std::int64_t lda, const __m512i* panels, float* c, std::int64_t ldc) {
-  std::int64_t first = 0;  // the block's first pair within a group
-  for (int blk = 0; blk < blocks.count; ++blk) {
-    const std::int64_t k0 = blocks.begin(blk), len = blocks.end(blk) - k0, np = (len + 1) / 2;
-    __m512 acc[G][M];
-    panel_block<M, G>(a, lda, k0, panels + g0 * group + first, group, np, len % 2 != 0, acc);
-    for (int g = 0; g < G; ++g)
-      for (int m = 0; m < M; ++m) store_block_sum(c + m * ldc + 16 * (g0 + g), blk, acc[g][m]);
-    first += np;
-  }
-}
-
-template <int M>
-void panel_rows(std::int64_t n, std::int64_t k, const std::uint16_t* a, std::int64_t lda,
-                const std::uint16_t* panels, float* c, std::int64_t ldc) {
-  constexpr int G = M == 1 ? 8 : M == 2 ? 4 : 2;
-  const Bf16KBlocks blocks = jit_bf16_k_blocks(k);
-  const std::int64_t group = bf16_panel_pairs(k), groups = n / 16;
-  const auto* t = reinterpret_cast<const __m512i*>(panels);
-  std::int64_t g0 = 0;
-  for (; g0 + G <= groups; g0 += G) panel_groups<M, G>(g0, blocks, group, a, lda, t, c, ldc);
-  for (; g0 < groups; ++g0) panel_groups<M, 1>(g0, blocks, group, a, lda, t, c, ldc);
-}
-
-// Many rows on the panels: tiles of MR rows x G groups, the A pairs broadcast from memory straight into
-// vdpbf16ps. Per element the chain is the one above (pairs from the block start, the odd last pair with
-// A's second value zero, the block sums added in order), so each row gets the same bits whatever the
-// call's row count.
+// Panel kernel (gemm_rows.hpp): acc[g][m] = the chain of group g's pairs [0, np) of one K block (the odd
+// last pair with A's second value zero); t points at the block's first pair of group 0, groups `group`
+// vectors apart. G groups side by side: the panels stream contiguously, and each chain waits on its
+// previous vdpbf16ps, so G x M chains keep the unit busy (C4A, 8 rows, per call on Zen 5: 0.58 ms with
+// one group at a time, 0.28-0.31 ms with two). Per element the chain is the rows kernel's, so each row
+// gets the same bits whatever the call's row count or tiles.
 template <int M, int G>
 inline void tile_chain(const std::uint16_t* a, std::int64_t lda, std::int64_t k0, const __m512i* t,
                        std::int64_t group, std::int64_t np, bool odd, __m512 (&acc)[G][M]) {
@@ -216,42 +168,57 @@ void tile_rows(std::int64_t g0, std::int64_t first, std::int64_t k0, std::int64_
 
 template <int G, std::size_t... I>
 void tile_rest(std::int64_t m, std::int64_t g0, std::int64_t first, std::int64_t k0, std::int64_t len,
-               int blk, std::int64_t group, const std::uint16_t* a, std::int64_t lda, const __m512i* panels, float* c,
-               std::int64_t ldc, std::index_sequence<I...>) {
+               int blk, std::int64_t group, const std::uint16_t* a, std::int64_t lda, const __m512i* panels,
+               float* c, std::int64_t ldc, std::index_sequence<I...>) {
   using Fn = void (*)(std::int64_t, std::int64_t, std::int64_t, std::int64_t, int, std::int64_t,
                       const std::uint16_t*, std::int64_t, const __m512i*, float*, std::int64_t);
   static constexpr Fn kernels[] = {&tile_rows<static_cast<int>(I) + 1, G>...};
   kernels[m - 1](g0, first, k0, len, blk, group, a, lda, panels, c, ldc);
 }
 
-constexpr int kTileRows = 6, kTileGroups = 4;
-
-template <int G>
-void many_rows_groups(std::int64_t m, std::int64_t g0, const Bf16KBlocks& blocks, std::int64_t group,
-                      const std::uint16_t* a, std::int64_t lda, const __m512i* panels, float* c,
-                      std::int64_t ldc) {
-  std::int64_t first = 0;
+// Rows [0, m) against groups [g0, g0 + G), K block by K block, in tiles of MR rows (the rest in one
+// smaller tile): each block's slice of the panels is read by every row tile while it is in the caches.
+template <int MR, int G>
+void panel_groups(std::int64_t m, std::int64_t g0, const Bf16KBlocks& blocks, std::int64_t group,
+                  const std::uint16_t* a, std::int64_t lda, const __m512i* panels, float* c,
+                  std::int64_t ldc) {
+  std::int64_t first = 0;  // the block's first pair within a group
   for (int blk = 0; blk < blocks.count; ++blk) {
     const std::int64_t k0 = blocks.begin(blk), len = blocks.end(blk) - k0;
     std::int64_t r = 0;
-    for (; r + kTileRows <= m; r += kTileRows)
-      tile_rows<kTileRows, G>(g0, first, k0, len, blk, group, a + r * lda, lda, panels, c + r * ldc, ldc);
-    if (r < m)
-      tile_rest<G>(m - r, g0, first, k0, len, blk, group, a + r * lda, lda, panels, c + r * ldc, ldc,
-                   std::make_index_sequence<kTileRows - 1>{});
+    for (; r + MR <= m; r += MR)
+      tile_rows<MR, G>(g0, first, k0, len, blk, group, a + r * lda, lda, panels, c + r * ldc, ldc);
+    if constexpr (MR > 1)
+      if (r < m)
+        tile_rest<G>(m - r, g0, first, k0, len, blk, group, a + r * lda, lda, panels, c + r * ldc, ldc,
+                     std::make_index_sequence<MR - 1>{});
     first += (len + 1) / 2;
   }
 }
 
-void many_rows(std::int64_t m, std::int64_t n, std::int64_t k, const std::uint16_t* a, std::int64_t lda,
-               const std::uint16_t* panels, float* c, std::int64_t ldc) {
+// m rows against the panels of n columns: tiles of MR rows x G groups (the last groups one at a time).
+template <int MR, int G>
+void panel_tiles(std::int64_t m, std::int64_t n, std::int64_t k, const std::uint16_t* a, std::int64_t lda,
+                 const std::uint16_t* panels, float* c, std::int64_t ldc) {
   const Bf16KBlocks blocks = jit_bf16_k_blocks(k);
   const std::int64_t group = bf16_panel_pairs(k), groups = n / 16;
   const auto* t = reinterpret_cast<const __m512i*>(panels);
   std::int64_t g0 = 0;
-  for (; g0 + kTileGroups <= groups; g0 += kTileGroups)
-    many_rows_groups<kTileGroups>(m, g0, blocks, group, a, lda, t, c, ldc);
-  for (; g0 < groups; ++g0) many_rows_groups<1>(m, g0, blocks, group, a, lda, t, c, ldc);
+  for (; g0 + G <= groups; g0 += G) panel_groups<MR, G>(m, g0, blocks, group, a, lda, t, c, ldc);
+  for (; g0 < groups; ++g0) panel_groups<MR, 1>(m, g0, blocks, group, a, lda, t, c, ldc);
+}
+
+// 1-8 rows: one tile of all of them, the more groups side by side the fewer rows.
+template <int M>
+void panel_rows(std::int64_t n, std::int64_t k, const std::uint16_t* a, std::int64_t lda,
+                const std::uint16_t* panels, float* c, std::int64_t ldc) {
+  panel_tiles<M, M == 1 ? 8 : M == 2 ? 4 : 2>(M, n, k, a, lda, panels, c, ldc);
+}
+
+// More rows: tiles of 6 rows x 4 groups (24 accumulators).
+void many_rows(std::int64_t m, std::int64_t n, std::int64_t k, const std::uint16_t* a, std::int64_t lda,
+               const std::uint16_t* panels, float* c, std::int64_t ldc) {
+  panel_tiles<6, 4>(m, n, k, a, lda, panels, c, ldc);
 }
 
 template <std::size_t... I>

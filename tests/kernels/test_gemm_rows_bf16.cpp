@@ -61,7 +61,9 @@ void onednn_rows(i64 rows, i64 n, i64 k, const std::uint16_t* a, i64 lda, const 
   st.wait();
 }
 
-// Rows [r0, r0 + m) of a 256-row call against the kernel on the same rows.
+// Rows [r0, r0 + m) of a 256-row call against the kernel on the same rows: 1-8 rows on B where it lies,
+// and (prepared weights' panels serve calls of any height) 9 to 256 rows on B's panels, whose tiles of
+// rows and groups change nothing per element.
 TEST(GemmRowsBf16, EveryRowEqualsItsRowInALongCall) {
   if (!cpu_has_avx512_bf16()) GTEST_SKIP() << "the CPU lacks AVX512-BF16";
   std::mt19937 rng(11);
@@ -70,7 +72,7 @@ TEST(GemmRowsBf16, EveryRowEqualsItsRowInALongCall) {
   int tested = 0;
   for (const i64 k : {1, 2, 3, 31, 32, 33, 96, 255, 384, 385, 386, 513, 769, 1003, 1536, 1537, 2000, 4096,
                       4099, 7168}) {
-    for (const i64 n : {16, 48, 256}) {
+    for (const i64 n : {16, 48, 80, 256}) {  // 80: four groups and one
       const i64 lda = k + 3, ldb = k + (k % 5), ldc = 2 * n + 8;  // C strided, as the projections'
       std::vector<std::uint16_t> a(long_rows * lda), b(n * ldb);
       // Each row of A its own scale, so that sums cancel at different magnitudes.
@@ -91,6 +93,18 @@ TEST(GemmRowsBf16, EveryRowEqualsItsRowInALongCall) {
                 << "K " << k << ", " << n << " columns, rows " << r0 << ".." << r0 + m - 1 << ": row "
                 << r0 + i;
         }
+      std::vector<std::uint16_t> panels(n / 16 * 32 * bf16_panel_pairs(k));
+      write_panels_avx512_bf16(b.data(), ldb, n, k, panels.data());
+      std::vector<float> got((long_rows + 1) * ldc);  // a row past the call's
+      for (const auto& [r0, m] : {std::pair<i64, i64>{0, 9}, {3, 13}, {0, 64}, {100, 71}, {0, long_rows}}) {
+        std::fill(got.begin(), got.end(), -1.0f);
+        gemm_rows_avx512_bf16_panels(m, n, k, a.data() + r0 * lda, lda, panels.data(), got.data(), ldc);
+        for (i64 i = 0; i < m; ++i)
+          ASSERT_EQ(std::memcmp(got.data() + i * ldc, ref.data() + (r0 + i) * ldc, n * sizeof(float)), 0)
+              << "panels, K " << k << ", " << n << " columns, rows " << r0 << ".." << r0 + m - 1 << ": row "
+              << r0 + i;
+        EXPECT_EQ(got[static_cast<std::size_t>(m * ldc)], -1.0f) << "wrote past its rows";
+      }
     }
   }
   if (tested == 0) GTEST_SKIP() << "oneDNN does not run its jit gemm for these shapes here";
@@ -128,43 +142,6 @@ TEST(GemmRowsBf16, PanelsGiveTheBitsOfTheRows) {
         }
       }
     }
-}
-
-// Prepared weights' panels serve calls of any height: 9 to 256 rows at any offset of a 256-row oneDNN
-// call carry that call's bits (the kernel's tiles of rows and groups change nothing per element).
-TEST(GemmRowsBf16, PanelsOfManyRowsEqualTheLongCall) {
-  if (!cpu_has_avx512_bf16()) GTEST_SKIP() << "the CPU lacks AVX512-BF16";
-  std::mt19937 rng(13);
-  std::normal_distribution<float> normal;
-  constexpr i64 long_rows = 256;
-  int tested = 0;
-  for (const i64 k : {1, 33, 385, 1003, 1537, 4096})
-    for (const i64 n : {16, 80, 256}) {  // 80: four groups and one
-      const i64 lda = k + 2, ldc = 2 * n + 8;
-      std::vector<std::uint16_t> a(long_rows * lda), b(n * k);
-      for (i64 i = 0; i < long_rows; ++i)
-        for (i64 j = 0; j < k; ++j)
-          a[i * lda + j] = float_to_bf16(normal(rng) * static_cast<float>(1 + i % 5));
-      for (auto& v : b) v = float_to_bf16(normal(rng));
-      std::vector<float> ref(long_rows * ldc), got((long_rows + 1) * ldc);  // a row past the call's
-      std::string impl;
-      onednn_rows(long_rows, n, k, a.data(), lda, b.data(), k, ref.data(), ldc, impl);
-      if (impl != "gemm:jit") continue;
-      ++tested;
-      std::vector<std::uint16_t> panels(n / 16 * 32 * bf16_panel_pairs(k));
-      write_panels_avx512_bf16(b.data(), k, n, k, panels.data());
-      for (const auto& [r0, m] : {std::pair<i64, i64>{0, 9}, {3, 13}, {0, 64}, {100, 71}, {0, long_rows}}) {
-        std::fill(got.begin(), got.end(), -1.0f);
-        gemm_rows_avx512_bf16_panels(m, n, k, a.data() + r0 * lda, lda, panels.data(), got.data(), ldc);
-        for (i64 i = 0; i < m; ++i)
-          ASSERT_EQ(std::memcmp(got.data() + i * ldc, ref.data() + (r0 + i) * ldc, n * sizeof(float)), 0)
-              << "K " << k << ", " << n << " columns, rows " << r0 << ".." << r0 + m - 1 << ": row "
-              << r0 + i;
-        EXPECT_EQ(got[static_cast<std::size_t>(m * ldc)], -1.0f) << "wrote past its rows";
-      }
-    }
-  if (tested == 0) GTEST_SKIP() << "oneDNN does not run its jit gemm for these shapes here";
-  RecordProperty("shapes_tested", tested);
 }
 
 // The panels of a matrix hold what the layout says: pair p of group g's block at (g, p).
