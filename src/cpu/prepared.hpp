@@ -15,7 +15,7 @@ namespace kvcomp::detail {
 // What the forward's products read the weights as, on this process's product kernels.
 enum class PreparedKind : std::uint32_t {
   in_place = 0,  // bf16 units whose kernel reads B where it lies: nothing, or (bf16_decode_panels_wanted)
-                 // wkv's and wgate's AVX-512 decode panels (gemm_rows.hpp) for calls of 1-8 rows
+                 // wkv's and wgate's AVX-512 decode panels (gemm_rows.hpp) for calls of any height
   packed = 1,    // bf16 units with a packed layout (AMX): wkv then wgate, packed_bytes each
   f32 = 2,       // fp32 products: [2C, padded_ld(H)] fp32, the wkv rows then the wgate rows; for bf16 or
                  // fp16 weights where decode_panels_wanted() (gemm.hpp), then wkv's and wgate's decode panels
