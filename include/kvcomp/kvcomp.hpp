@@ -234,7 +234,7 @@ KVCOMP_API const char* kernel_isa();
 
 // The matrix-product kernels of the CPU backend in this process:
 // "bf16 (<oneDNN implementation>, precise as hi+lo | precise in f32 |
-// backward in f32[, 1-8 rows and prepared weights: kvcomp avx512_bf16]) +
+// backward in f32[, 1-8 rows[, calls of 128+ rows] and prepared weights: kvcomp avx512_bf16]) +
 // f32 (dnnl_sgemm)[; 1-8 rows: ...]" where the CPU has bf16 dot-product
 // units (AMX-BF16, AVX512-BF16): the products of bf16 calls run there (the
 // forward; the npu_parity backward where the units outrun fp32, i.e. AMX and
@@ -246,7 +246,11 @@ KVCOMP_API const char* kernel_isa();
 // AVX2 kernel, which gives each row sgemm's bits (checked once per process;
 // KVCOMP_ISA=scalar or KVCOMP_ROW_STABLE=0 turn it off); ", order probed per
 // shape" where oneDNN runs its AVX-512 sgemm, whose order depends on the shape
-// (a shape of unknown order keeps sgemm's padding rows).
+// (a shape of unknown order keeps sgemm's padding rows). "kvcomp avx512_bf16":
+// on AVX512-BF16 (no packed layout) the bf16 forward projections of 1-8 token
+// rows, of calls of 128 rows or more (the weights' panels written per call;
+// not under KVCOMP_DECODE_PANELS=0) and of calls with prepared weights run on
+// kvcomp's own kernel, which gives each row the bits of oneDNN's jit gemm.
 // KVCOMP_PRODUCTS=f32, or KVCOMP_ISA below avx512, keeps every product fp32.
 // Chosen once per process.
 KVCOMP_API const char* product_kernels();

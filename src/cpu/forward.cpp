@@ -12,6 +12,13 @@ namespace kvcomp::detail {
 
 namespace {
 
+// Rows from which a bf16 call on AVX512-BF16 writes the weights' panels itself when the call names none
+// (prepare_weights): from there on writing them (2 C H values, once per call) costs less than oneDNN's
+// jit gemm packing the weights for every tile of rows. Zen 5, 2 threads, H = 4096, C4A / C4Li / C128A:
+// 64 rows 1.16 / 0.82 / 1.20x the call on the weights in place, 128 rows 0.97 / 0.76 / 0.94x, 4096 rows
+// 0.96 / 0.86 / 0.91x (docs/performance.md). Both give every row the same bits.
+constexpr std::int64_t kPanelCallRows = 128;
+
 struct ForwardBuffers {
   std::int64_t ld_h, ld_c2;  // padded leading dimensions
   float* wcat = nullptr;     // [2C, ld_h]: wkv rows then wgate rows, fp32 (fp32 products of a longer call)
@@ -25,6 +32,9 @@ struct ForwardBuffers {
   void* packed_kv = nullptr;  // wkv and wgate packed for the primitive (where it wants them packed)
   void* packed_gate = nullptr;
   std::uint16_t* xb = nullptr;  // [Rp, H] the chunk's x rows, zero rows up to a whole tile
+  // A call of kPanelCallRows or more on AVX512-BF16 without prepared panels: wkv's and wgate's
+  // panels, written per call (write_bf16_panels), for kvcomp's kernel.
+  std::uint16_t* panels = nullptr;
   std::size_t size;
 
   // The two projection products on the bf16 units: [n, H] . [H, C] into a column half of proj.
@@ -47,6 +57,8 @@ struct ForwardBuffers {
         packed_gate = ws.take<unsigned char>(static_cast<std::int64_t>(packed));
       }
       xb = ws.take<std::uint16_t>(Rp * d.H);
+      if (packed == 0 && d.T >= kPanelCallRows && bf16_decode_panels_wanted() && d.C % 16 == 0)
+        panels = ws.take<std::uint16_t>(2 * static_cast<std::int64_t>(bf16_panel_elements(d.C, d.H)));
     } else {
       // A call of one row tile (decode) widens the weights tile by tile, in the caches; a longer one
       // reads each column tile once per row tile, so it widens them once, whole.
@@ -114,8 +126,17 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
   const bool half_in_place =
       !buf.bf16 && !prepared.kv && (d.io == DType::bf16 || fp16) &&
       gemm_rows_16bit_applicable(d.T, C, H, fp16);
+  // The AVX-512 panels kvcomp's bf16 kernel reads: the prepared ones, else written now for a long call.
+  const std::uint16_t* panels[] = {prepared.kv_panels, prepared.gate_panels};
   if (buf.bf16) {
     const Bf16Shape shape = buf.bf16_shape(d);
+    if (!panels[0] && buf.panels && gemm_row_stable() &&
+        bf16_rows_kernel_applicable(shape, std::min(d.T, kChunkRows), true)) {
+      write_bf16_panels(static_cast<const std::uint16_t*>(args.wkv.data),
+                        static_cast<const std::uint16_t*>(args.wgate.data), C, H, buf.panels, num_threads);
+      panels[0] = buf.panels;
+      panels[1] = buf.panels + bf16_panel_elements(C, H);
+    }
     if (prepared.kv) {  // packed
       b_kv = prepared.kv;
       b_gate = prepared.gate;
@@ -166,12 +187,11 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
       const Bf16Shape shape = buf.bf16_shape(d);
       const Bf16Target both[] = {{b_kv, rows}, {b_gate, rows + C}};
       bool ok = true;
-      if (gemm_row_stable() && bf16_rows_kernel_applicable(shape, n, prepared.kv_panels != nullptr)) {
+      if (gemm_row_stable() && bf16_rows_kernel_applicable(shape, n, panels[0] != nullptr)) {
         // kvcomp's AVX512-BF16 kernel, x where it lies: 1-8 rows on the weights where they lie, any
-        // number on the prepared weights' panels.
-        const std::uint16_t* const panels[] = {prepared.kv_panels, prepared.gate_panels};
+        // number on the weights' panels.
         gemm_bf16_rows_kernel(shape, n, static_cast<const std::uint16_t*>(static_cast<const void*>(x_rows)),
-                              both, num_threads, prepared.kv_panels ? panels : nullptr);
+                              both, num_threads, panels[0] ? panels : nullptr);
       } else if (gemm_row_stable()) {
         // Few rows (decode): padded to 2 in column tiles where the kernel's rows allow it
         // (bf16_short_rows_stable), else to whole 64-row tiles; either gives a row the same bits.

@@ -213,8 +213,10 @@ const char* product_kernels() {
     const char* backward = bf16_split_products()      ? ", precise as hi+lo"
                            : bf16_backward_products() ? ", precise in f32"
                                                       : ", backward in f32";
-    const char* bf16_rows =
-        bf16_rows_kernel_available() ? ", 1-8 rows and prepared weights: kvcomp avx512_bf16" : "";
+    const char* bf16_rows = !bf16_rows_kernel_available() ? ""
+                            : bf16_decode_panels_wanted()
+                                ? ", 1-8 rows, calls of 128+ rows and prepared weights: kvcomp avx512_bf16"
+                                : ", 1-8 rows and prepared weights: kvcomp avx512_bf16";
     return "bf16 (" + kernel_name() + (packed_forced() ? ", packed B" : "") + backward + bf16_rows +
            ") + f32 (dnnl_sgemm)" + rows;
   }();

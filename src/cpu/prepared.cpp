@@ -48,8 +48,7 @@ std::uint64_t kernels_hash() {
 
 // The AVX-512 decode panels' bytes that bf16 weights [C, H] may have in an in_place blob.
 std::size_t possible_bf16_panel_bytes(std::int64_t C, std::int64_t H) {
-  if (C % 16 != 0) return 0;
-  return static_cast<std::size_t>(2 * (C / 16) * 32 * bf16_panel_pairs(H)) * sizeof(std::uint16_t);
+  return 2 * bf16_panel_elements(C, H) * sizeof(std::uint16_t);
 }
 
 // The decode panels' bytes that weights [C, H] of dtype io may have in an f32 blob (gemm.hpp), whether or
@@ -63,6 +62,27 @@ std::size_t possible_panel_bytes(DType io, std::int64_t C, std::int64_t H) {
 Status invalid(const std::string& what) { return {StatusCode::invalid_param, "[kvcomp] " + what}; }
 
 }  // namespace
+
+std::size_t bf16_panel_elements(std::int64_t C, std::int64_t H) {
+  return C % 16 == 0 ? static_cast<std::size_t>((C / 16) * 32 * bf16_panel_pairs(H)) : 0;
+}
+
+void write_bf16_panels(const std::uint16_t* wkv, const std::uint16_t* wgate, std::int64_t C, std::int64_t H,
+                       std::uint16_t* panels, int num_threads) {
+  // Work items of 4 groups (64 columns, 4 x 32 x pairs(H) values): the groups of a panel are written
+  // independently, so the threads deal them out.
+  constexpr std::int64_t kGroups = 4;
+  const std::int64_t groups = C / 16, items = (groups + kGroups - 1) / kGroups;
+  const std::int64_t group = 32 * bf16_panel_pairs(H);
+  const std::size_t per = bf16_panel_elements(C, H);
+#pragma omp parallel for num_threads(static_cast<int>(std::clamp<std::int64_t>(num_threads, 1, 2 * items))) \
+    schedule(static)
+  for (std::int64_t i = 0; i < 2 * items; ++i) {
+    const std::int64_t g0 = i % items * kGroups, n = 16 * (std::min(groups, g0 + kGroups) - g0);
+    write_panels_avx512_bf16((i < items ? wkv : wgate) + 16 * g0 * H, H, n, H,
+                             panels + (i < items ? 0 : per) + g0 * group);
+  }
+}
 
 Bf16Shape projection_shape(std::int64_t C, std::int64_t H) { return {C, H, H, padded_ld(2 * C), H, true}; }
 
@@ -92,12 +112,9 @@ Status write_prepared(const Tensor& wkv, const Tensor& wgate, const PreparedLayo
     if (!bf16_pack_b(projection_shape(C, H), jobs, 2, num_threads))
       return {StatusCode::runtime_error, "[kvcomp] oneDNN reorder of the bf16 weights failed"};
   } else if (layout.kind == PreparedKind::in_place && layout.panel_bytes > 0) {
-    auto* panels = reinterpret_cast<std::uint16_t*>(data);
-    const std::size_t per = layout.panel_bytes / 2 / sizeof(std::uint16_t);
-    const Tensor* w[] = {&wkv, &wgate};
-#pragma omp parallel for num_threads(std::max(1, std::min(num_threads, 2)))
-    for (int i = 0; i < 2; ++i)
-      write_panels_avx512_bf16(static_cast<const std::uint16_t*>(w[i]->data), H, C, H, panels + i * per);
+    write_bf16_panels(static_cast<const std::uint16_t*>(wkv.data),
+                      static_cast<const std::uint16_t*>(wgate.data), C, H, reinterpret_cast<std::uint16_t*>(data),
+                      num_threads);
   } else if (layout.kind == PreparedKind::f32) {
     const std::int64_t ld = padded_ld(H);
     auto* w = reinterpret_cast<float*>(data);

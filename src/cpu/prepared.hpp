@@ -39,6 +39,15 @@ bool prepared_layout(DType io, std::int64_t C, std::int64_t H, PreparedLayout* o
 Status write_prepared(const Tensor& wkv, const Tensor& wgate, const PreparedLayout& layout, void* blob,
                       int num_threads);
 
+// The AVX-512 decode panels (gemm_rows.hpp) of one bf16 matrix [C, H]: elements, 0 unless C is a
+// multiple of 16.
+std::size_t bf16_panel_elements(std::int64_t C, std::int64_t H);
+// Writes the panels of wkv and wgate ([C, H] bf16, C a multiple of 16) into `panels`
+// (2 bf16_panel_elements(C, H) values: wkv's, then wgate's), the column groups dealt to the threads.
+// AVX512-BF16 only (bf16_rows_kernel_available()).
+void write_bf16_panels(const std::uint16_t* wkv, const std::uint16_t* wgate, std::int64_t C, std::int64_t H,
+                       std::uint16_t* panels, int num_threads);
+
 // The forward's bf16 projection product, [n, H] . [H, C] into one column half of the projections
 // (row stride padded_ld(2C)): the shape its weights are packed for, per call or in a blob.
 Bf16Shape projection_shape(std::int64_t C, std::int64_t H);

@@ -202,6 +202,49 @@ def test_prepared_bf16_weights_serve_with_and_without_avx512_panels(tmp_path):
     assert out.startswith("True ") and "kvcomp avx512_bf16" not in out, out
 
 
+# One forward call per token count on seeded bf16 weights [80, 1003] (five 16-column groups, two K
+# blocks of odd lengths), coff = 2, r = 4, BSH [1, T, H] from position 0, with grad_enabled (softmax_score
+# and kv too); prints per count a digest of every output's bytes and the cache's. `threads`: the call's
+# num_threads.
+_LONG_CALLS = """
+import hashlib, torch, kvcomp
+def digests(threads):
+    g = torch.Generator().manual_seed(9)
+    C, Hs = 80, 1003
+    w = (torch.randn(2, C, Hs, generator=g) / 8).bfloat16()
+    ape = torch.randn(4, C, generator=g)
+    out = []
+    for t in (127, 128, 300, 1030):
+        x = torch.randn(1, t, Hs, generator=g).bfloat16()
+        n = (t + 7) // 8
+        cache = torch.zeros(1 + n, 8, 2 * C)
+        table = torch.arange(1, 1 + n, dtype=torch.int32)[None]
+        res = kvcomp.compressor_forward(x, w[0], w[1], cache, ape, 4, state_block_table=table, coff=2,
+                                        grad_enabled=True, num_threads=threads)
+        h = hashlib.sha256()
+        for a in (*res, cache):
+            h.update(a.contiguous().view(torch.uint8).numpy().tobytes())
+        out.append(h.hexdigest()[:16])
+    return " ".join(out)
+"""
+
+
+@pytest.mark.skipif("kvcomp avx512_bf16" not in kvcomp.product_kernels(),
+                    reason="no AVX512-BF16 rows kernel here (no AVX-512 decode panels)")
+def test_long_bf16_calls_write_panels_with_the_bits_of_onednn():
+    """A bf16 call of 128 tokens or more without prepared weights writes the weights' AVX-512 panels
+    itself and runs kvcomp's kernel on them: every output and the cache bitwise as oneDNN's jit gemm
+    gives them (the kernel off, KVCOMP_BF16_ROWS_KERNEL=1, or no panels, KVCOMP_DECODE_PANELS=0), at 127
+    tokens (no panels), 128, 300 and 1030 (two chunks of rows), on 1 and 2 threads."""
+    ns = {}
+    exec(_LONG_CALLS, ns)
+    own = ns["digests"](2)
+    assert ns["digests"](1) == own
+    assert len(set(own.split())) == 4  # four different calls
+    for env in ({"KVCOMP_BF16_ROWS_KERNEL": "1"}, {"KVCOMP_DECODE_PANELS": "0"}):
+        assert _child(_LONG_CALLS + "print(digests(2))", **env) == own, env
+
+
 def test_row_stability_off_keeps_sgemm_alone():
     """KVCOMP_ROW_STABLE=0: no padding to keep rows alike, so no own kernel either."""
     assert _child(_NAME, KVCOMP_ROW_STABLE="0", KVCOMP_PRODUCTS="f32") == _F32
