@@ -3,6 +3,8 @@
 #include <cstring>
 #include <vector>
 
+#include <emmintrin.h>
+
 #include "cpu/backend.hpp"
 #include "cpu/block_phases.hpp"
 #include "cpu/convert.hpp"
@@ -32,14 +34,15 @@ struct BackwardBuffers {
   std::uint16_t* dn[2] = {nullptr, nullptr};
   std::uint16_t* dnt[2] = {nullptr, nullptr};
   std::uint16_t* xb = nullptr;  // [R padded to a tile, H]: the chunk's x rows, rows without gradient zeroed
-  void* packed_wkv = nullptr;   // wkv, wgate as the d_x product's B [C, H], where it wants them packed
-  void* packed_wgate = nullptr;
+  std::uint16_t* wcat16 = nullptr;  // [2C, H]: wkv rows then wgate rows, the d_x product's B
+  void* packed_w = nullptr;         // wcat16 packed, where the product wants B packed
   void* packed_x = nullptr;  // xb as the weight-gradient product's B, likewise
   std::size_t packed_x_bytes = 0;
   std::size_t size;
 
-  // d_x += dn[:, part] . w: [n, C] . [C, H].
-  Bf16Shape dx_shape(const Dims& d) const { return {d.H, d.C, ld_dn, ld_h, d.H, false}; }
+  // d_x (+)= dn[part] . [wkv ; wgate]: [n, 2C] . [2C, H], one product over both halves of d_new (two
+  // products of K = C, the second accumulating, moved the fp32 d_x rows through memory twice more).
+  Bf16Shape dx_shape(const Dims& d) const { return {d.H, 2 * d.C, ld_dn, ld_h, d.H, false}; }
   // [d_wkv ; d_wgate] += dnt . x: [2C, k] . [k, H], k the chunk's rows padded to a tile.
   Bf16Shape dw_shape(const Dims& d, std::int64_t k) const { return {d.H, k, ld_t, ld_h, d.H, false}; }
 
@@ -60,10 +63,8 @@ struct BackwardBuffers {
       packed_x_bytes = x.packed_bytes;
       bf16 = true;
       ok = w.ok && x.ok;  // oneDNN could not make the products (out of memory)
-      if (w.packed_bytes > 0) {
-        packed_wkv = ws.take<unsigned char>(static_cast<std::int64_t>(w.packed_bytes));
-        packed_wgate = ws.take<unsigned char>(static_cast<std::int64_t>(w.packed_bytes));
-      }
+      wcat16 = ws.take<std::uint16_t>(2 * d.C * d.H);
+      if (w.packed_bytes > 0) packed_w = ws.take<unsigned char>(static_cast<std::int64_t>(w.packed_bytes));
       if (packed_x_bytes > 0) packed_x = ws.take<unsigned char>(static_cast<std::int64_t>(packed_x_bytes));
       // The low part only in precise mode (npu_parity's d_new is bf16 already).
       for (int part = 0; part < (precision == Precision::npu_parity ? 1 : 2); ++part) {
@@ -85,37 +86,78 @@ struct BackwardBuffers {
   }
 };
 
-// The bf16 operands of the backward's products from the fp32 d_new rows [0, rows) (rows a
-// multiple of a tile, zero past the chunk's own): hi = bf16(d_new) and, with_lo,
-// lo = bf16(d_new - hi) (zero where hi is not finite), as [rows, 2C] row-major and transposed
-// [2C, rows] (rows 2C..c2p zero). In npu_parity d_new is already bf16 (spec 6.1 step 7), so hi is
-// exact and lo is not needed.
-void split_to_bf16(const float* dnew, std::int64_t ld, std::int64_t rows, std::int64_t c2,
-                   std::uint16_t* const dn[2], std::int64_t ld_dn, std::uint16_t* const dnt[2],
-                   std::int64_t c2p, std::int64_t ld_t, bool with_lo, int num_threads) {
-  constexpr std::int64_t kBlock = 32;
-  const int parts = with_lo ? 2 : 1;
+// Rows [0, rows) x columns [0, cols) of the uint16 matrix src (row stride ld_src) transposed into dst
+// (row stride ld_dst): dst[c * ld_dst + i] = src[i * ld_src + c]. 8 x 8 blocks by SSE2 unpacks (x86-64's
+// baseline), the edges one by one; the threads deal out blocks of 64 columns.
+void transpose16(const std::uint16_t* src, std::int64_t rows, std::int64_t cols, std::int64_t ld_src,
+                 std::uint16_t* dst, std::int64_t ld_dst, int num_threads) {
+  constexpr std::int64_t kCols = 64;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (std::int64_t c0 = 0; c0 < c2p; c0 += kBlock) {
-    for (std::int64_t r0 = 0; r0 < rows; r0 += kBlock)
-      for (std::int64_t c = c0; c < std::min(c2p, c0 + kBlock); ++c)
-        for (std::int64_t i = r0; i < std::min(rows, r0 + kBlock); ++i) {
-          const float v = c < c2 ? dnew[i * ld + c] : 0.0f;
-          const std::uint16_t hi = float_to_bf16(v);
-          const float h = bf16_to_float(hi);
-          const std::uint16_t lo = std::isfinite(h) ? float_to_bf16(v - h) : std::uint16_t{0};
-          dnt[0][c * ld_t + i] = hi;
-          if (parts == 2) dnt[1][c * ld_t + i] = lo;
-          if (c < c2) {
-            dn[0][i * ld_dn + c] = hi;
-            if (parts == 2) dn[1][i * ld_dn + c] = lo;
-          }
+  for (std::int64_t c0 = 0; c0 < cols; c0 += kCols) {
+    const std::int64_t c_end = std::min(cols, c0 + kCols), c8 = c0 + (c_end - c0) / 8 * 8;
+    const std::int64_t r8 = rows / 8 * 8;
+    for (std::int64_t i = 0; i < r8; i += 8) {
+      for (std::int64_t c = c0; c < c8; c += 8) {
+        __m128i r[8], t[8], u[8];
+        for (int k = 0; k < 8; ++k)
+          r[k] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (i + k) * ld_src + c));
+        for (int k = 0; k < 8; k += 2) {
+          t[k] = _mm_unpacklo_epi16(r[k], r[k + 1]);      // rows k, k+1 of columns 0-3, interleaved
+          t[k + 1] = _mm_unpackhi_epi16(r[k], r[k + 1]);  // of columns 4-7
         }
+        for (int h = 0; h < 2; ++h) {  // h = 0: columns 0-3, 1: columns 4-7
+          u[4 * h] = _mm_unpacklo_epi32(t[h], t[h + 2]);  // rows 0-3 of two columns
+          u[4 * h + 1] = _mm_unpackhi_epi32(t[h], t[h + 2]);
+          u[4 * h + 2] = _mm_unpacklo_epi32(t[h + 4], t[h + 6]);  // rows 4-7 of the same columns
+          u[4 * h + 3] = _mm_unpackhi_epi32(t[h + 4], t[h + 6]);
+        }
+        for (int h = 0; h < 2; ++h)
+          for (int q = 0; q < 2; ++q) {
+            const std::int64_t col = c + 4 * h + 2 * q;
+            auto* d0 = reinterpret_cast<__m128i*>(dst + col * ld_dst + i);
+            auto* d1 = reinterpret_cast<__m128i*>(dst + (col + 1) * ld_dst + i);
+            _mm_storeu_si128(d0, _mm_unpacklo_epi64(u[4 * h + q], u[4 * h + 2 + q]));
+            _mm_storeu_si128(d1, _mm_unpackhi_epi64(u[4 * h + q], u[4 * h + 2 + q]));
+          }
+      }
+      for (std::int64_t c = c8; c < c_end; ++c)
+        for (std::int64_t k = i; k < i + 8; ++k) dst[c * ld_dst + k] = src[k * ld_src + c];
+    }
+    for (std::int64_t c = c0; c < c_end; ++c)
+      for (std::int64_t k = r8; k < rows; ++k) dst[c * ld_dst + k] = src[k * ld_src + c];
   }
 }
 
-// dst[c, i] = src[i, c]; cache-blocked, parallel over column blocks. A pure
-// copy: no rounding, so the thread count cannot matter.
+// The bf16 operands of the backward's products from the fp32 d_new rows [0, rows) (rows a
+// multiple of a tile, zero past the chunk's own): hi = bf16(d_new) and, with_lo,
+// lo = bf16(d_new - hi) (zero where hi is not finite), as [rows, 2C] row-major and transposed
+// [2C, rows] (rows 2C..c2p zero): each row converted by the dispatched kernels, then the bf16 values
+// transposed. In npu_parity d_new is already bf16 (spec 6.1 step 7), so hi is exact and lo is not
+// needed.
+void split_to_bf16(const float* dnew, std::int64_t ld, std::int64_t rows, std::int64_t c2,
+                   std::uint16_t* const dn[2], std::int64_t ld_dn, std::uint16_t* const dnt[2],
+                   std::int64_t c2p, std::int64_t ld_t, bool with_lo, int num_threads) {
+  const int parts = with_lo ? 2 : 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (std::int64_t i = 0; i < rows; ++i) {
+    const float* v = dnew + i * ld;
+    std::uint16_t* hi = dn[0] + i * ld_dn;
+    from_f32(v, hi, DType::bf16, c2);
+    if (with_lo) {
+      std::uint16_t* lo = dn[1] + i * ld_dn;
+      for (std::int64_t c = 0; c < c2; ++c) {
+        const float h = bf16_to_float(hi[c]);
+        lo[c] = std::isfinite(h) ? float_to_bf16(v[c] - h) : std::uint16_t{0};
+      }
+    }
+  }
+  for (int part = 0; part < parts; ++part) {
+    transpose16(dn[part], rows, c2, ld_dn, dnt[part], ld_t, num_threads);
+    for (std::int64_t c = c2; c < c2p; ++c)
+      std::fill(dnt[part] + c * ld_t, dnt[part] + c * ld_t + rows, std::uint16_t{0});
+  }
+}
+
 void transpose(const float* src, std::int64_t rows, std::int64_t cols, std::int64_t ld_src, float* dst,
                std::int64_t ld_dst, int num_threads) {
   constexpr std::int64_t kBlock = 32;
@@ -168,10 +210,11 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
   if (!buf.ok || buf.size > workspace_size)
     return {StatusCode::runtime_error, "[kvcomp] oneDNN could not create the bf16 products of the backward"};
   if (buf.bf16) {
-    const Bf16Shape shape = buf.dx_shape(d);
-    const Bf16PackJob jobs[] = {{static_cast<const std::uint16_t*>(args.wkv.data), buf.packed_wkv},
-                                {static_cast<const std::uint16_t*>(args.wgate.data), buf.packed_wgate}};
-    if (!bf16_pack_b(shape, jobs, 2, num_threads))
+    const std::size_t half = static_cast<std::size_t>(C * H) * sizeof(std::uint16_t);
+    std::memcpy(buf.wcat16, args.wkv.data, half);
+    std::memcpy(buf.wcat16 + C * H, args.wgate.data, half);
+    const Bf16PackJob job{buf.wcat16, buf.packed_w};
+    if (!bf16_pack_b(buf.dx_shape(d), &job, 1, num_threads))
       return {StatusCode::runtime_error, "[kvcomp] oneDNN reorder of the bf16 weights failed"};
   } else {
     rows_to_f32(args.wkv.data, d.io, C, H, buf.wcat, buf.ld_h, num_threads);
@@ -205,38 +248,42 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
     const auto* x_rows =
         static_cast<const unsigned char*>(args.x.data) + static_cast<std::size_t>(a * H) * io_size;
     if (buf.bf16) {
+      // x as the weight-gradient product's B: where every row of the chunk has gradient and the chunk
+      // is whole tiles (training), x itself; else a copy with zero rows (0 . inf would be NaN).
       const auto* xs = static_cast<const std::uint16_t*>(static_cast<const void*>(x_rows));
+      const std::uint16_t* xb = xs;
+      if (n != n_pad || !std::all_of(mark.begin(), mark.begin() + n, [](char m) { return m != 0; })) {
+        xb = buf.xb;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-      for (std::int64_t i = 0; i < n_pad; ++i) {
-        std::uint16_t* dst = buf.xb + i * H;
-        if (i < n && mark[static_cast<std::size_t>(i)])
-          std::memcpy(dst, xs + i * H, static_cast<std::size_t>(H) * sizeof(std::uint16_t));
-        else
-          std::fill(dst, dst + H, std::uint16_t{0});
+        for (std::int64_t i = 0; i < n_pad; ++i) {
+          std::uint16_t* dst = buf.xb + i * H;
+          if (i < n && mark[static_cast<std::size_t>(i)])
+            std::memcpy(dst, xs + i * H, static_cast<std::size_t>(H) * sizeof(std::uint16_t));
+          else
+            std::fill(dst, dst + H, std::uint16_t{0});
+        }
       }
       const Bf16Shape dw = buf.dw_shape(d, n_pad);
       const Bf16Plan dw_plan = bf16_plan(dw);
       if (!dw_plan.ok || dw_plan.packed_bytes > buf.packed_x_bytes)
         return {StatusCode::runtime_error,
                 "[kvcomp] oneDNN could not make the bf16 product of a short chunk"};
-      const Bf16PackJob job{buf.xb, buf.packed_x};
+      const Bf16PackJob job{xb, buf.packed_x};
       if (!bf16_pack_b(dw, &job, 1, num_threads))
         return {StatusCode::runtime_error, "[kvcomp] oneDNN reorder of x failed"};
       // hi (and lo in precise mode) of d_new, row-major and transposed.
       const int parts = parity ? 1 : 2;
       split_to_bf16(buf.dnew, buf.ld_c2, n_pad, 2 * C, buf.dn, buf.ld_dn, buf.dnt, buf.c2p, buf.ld_t,
                     parts == 2, num_threads);
-      // d_x rows = sum over parts of dn_kv . wkv + dn_score . wgate, in that order.
+      // d_x rows = sum over parts of [dn_kv | dn_score] . [wkv ; wgate], hi then lo.
       const Bf16Shape dx = buf.dx_shape(d);
-      const void* b_wkv = buf.packed_wkv ? buf.packed_wkv : args.wkv.data;
-      const void* b_wgate = buf.packed_wgate ? buf.packed_wgate : args.wgate.data;
+      const void* b_w = buf.packed_w ? buf.packed_w : buf.wcat16;
       for (int part = 0; part < parts; ++part)
-        if (!gemm_bf16(dx, n_pad, buf.dn[part], {{{b_wkv, buf.dxf}}}, part > 0, num_threads) ||
-            !gemm_bf16(dx, n_pad, buf.dn[part] + C, {{{b_wgate, buf.dxf}}}, true, num_threads))
+        if (!gemm_bf16(dx, n_pad, buf.dn[part], {{{b_w, buf.dxf}}}, part > 0, num_threads))
           return {StatusCode::runtime_error, "[kvcomp] oneDNN bf16 matmul for d_x failed"};
       // [d_wkv ; d_wgate] += dnt . x, hi then lo.
       for (int part = 0; part < parts; ++part)
-        if (!gemm_bf16(dw, buf.c2p, buf.dnt[part], {{{buf.packed_x ? buf.packed_x : buf.xb, buf.dwcat}}},
+        if (!gemm_bf16(dw, buf.c2p, buf.dnt[part], {{{buf.packed_x ? buf.packed_x : xb, buf.dwcat}}},
                        dw_written || part > 0, num_threads))
           return {StatusCode::runtime_error, "[kvcomp] oneDNN bf16 matmul for d_wkv/d_wgate failed"};
     } else {

@@ -319,7 +319,7 @@ def test_bf16_forward_accuracy_against_the_truth(tmp_path):
 _BACKWARD = r"""
 import hashlib, sys, torch, kvcomp, kvcomp.torch as kt
 from support import make_case
-case = make_case(lens=[300, 170], th=True, r=4, coff=2, start_pos=[3, 0], H=1024, D=64, dtype="bf16", seed=13)
+case = make_case(**CASE)
 g = torch.Generator().manual_seed(5)
 out = {}
 distinct = []
@@ -342,26 +342,37 @@ print(kvcomp.product_kernels().split(" ")[0], *distinct)
 """
 
 
-def _backward_run(tmp_path, products):
+def _backward_run(tmp_path, products, case):
     f = tmp_path / f"bwd_{products}.pt"
-    e_code = _BACKWARD.replace("sys.argv[1]", repr(str(f)))
+    e_code = _BACKWARD.replace("sys.argv[1]", repr(str(f))).replace("**CASE", f"**{case!r}")
     kind, *distinct = _child(e_code, KVCOMP_PRODUCTS=products).split()
     assert distinct == ["1", "1"], (products, kind, distinct)  # the same gradients for 1, 2 and 3 threads
     return kind, torch.load(f)
 
 
+# A realistic H, and widths whose 2C (52) is no multiple of 8 (d_new's bf16 transpose runs 8 x 8 blocks
+# and the edge columns one by one).
+_BACKWARD_CASES = {
+    "H1024": dict(lens=[300, 170], th=True, r=4, coff=2, start_pos=[3, 0], H=1024, D=64, dtype="bf16",
+                  seed=13),
+    "odd_widths": dict(lens=[150, 90], th=True, r=4, coff=2, start_pos=[1, 0], H=200, D=13, dtype="bf16",
+                       seed=14),
+}
+
+
 @pytest.mark.skipif(not HAS_BF16_UNITS, reason="this CPU has neither AMX-BF16 nor AVX512-BF16")
-def test_backward_on_the_bf16_units_against_the_truth(tmp_path):
+@pytest.mark.parametrize("shape", sorted(_BACKWARD_CASES))
+def test_backward_on_the_bf16_units_against_the_truth(tmp_path, shape):
     """Both precision modes with every product on the bf16 units (KVCOMP_PRODUCTS=bf16: npu_parity one
     bf16 product per GEMM, precise hi + lo parts) against the float64 truth (spec 7.2 three-way), the
     fp32 golden as B; npu_parity also within the two-party rule of the fp32 golden, as the NPU."""
     from kvcomp.compare import three_way, two_way
     from support import reference_grads
 
-    kind, ours = _backward_run(tmp_path, "bf16")
+    kind, ours = _backward_run(tmp_path, "bf16", _BACKWARD_CASES[shape])
     assert kind == "bf16", kind
-    _, f32 = _backward_run(tmp_path, "f32")
-    case = make_case(lens=[300, 170], th=True, r=4, coff=2, start_pos=[3, 0], H=1024, D=64, dtype="bf16", seed=13)
+    _, f32 = _backward_run(tmp_path, "f32", _BACKWARD_CASES[shape])
+    case = make_case(**_BACKWARD_CASES[shape])
     up = ours["upstream"]
     _, grads_c, _ = reference_grads(case, up, torch.float64)
     _, grads_b, _ = reference_grads(case, up, torch.float32, round_grad_to=case.x.dtype)
