@@ -158,6 +158,8 @@ void split_to_bf16(const float* dnew, std::int64_t ld, std::int64_t rows, std::i
   }
 }
 
+// dst[c, i] = src[i, c]; cache-blocked, parallel over column blocks. A pure
+// copy: no rounding, so the thread count cannot matter.
 void transpose(const float* src, std::int64_t rows, std::int64_t cols, std::int64_t ld_src, float* dst,
                std::int64_t ld_dst, int num_threads) {
   constexpr std::int64_t kBlock = 32;
