@@ -50,7 +50,7 @@ import torch
 # name: (cmp_ratio r, coff, head dim D), as in kvcomp bench and the table.
 CASES = {
     "C4A": (4, 2, 512),
-    "C4Li": (4, 1, 128),
+    "C4Li": (4, 2, 128),
     "C128A": (128, 1, 512),
 }
 
