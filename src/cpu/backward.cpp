@@ -86,46 +86,64 @@ struct BackwardBuffers {
   }
 };
 
-// Rows [0, rows) x columns [0, cols) of the uint16 matrix src (row stride ld_src) transposed into dst
-// (row stride ld_dst): dst[c * ld_dst + i] = src[i * ld_src + c]. 8 x 8 blocks by SSE2 unpacks (x86-64's
-// baseline), the edges one by one; the threads deal out blocks of 64 columns.
-void transpose16(const std::uint16_t* src, std::int64_t rows, std::int64_t cols, std::int64_t ld_src,
-                 std::uint16_t* dst, std::int64_t ld_dst, int num_threads) {
+// Rows [0, rows) x columns [0, cols) of src (row stride ld_src) transposed into dst (row stride ld_dst):
+// dst[c * ld_dst + i] = src[i * ld_src + c]. B x B blocks by `block` (SSE2 shuffles, x86-64's
+// baseline), the edges one by one; the threads deal out runs of 64 columns. A pure copy: no rounding,
+// so the thread count cannot matter.
+template <std::int64_t B, class T, class Block>
+void transpose_blocks(const T* src, std::int64_t rows, std::int64_t cols, std::int64_t ld_src, T* dst,
+                      std::int64_t ld_dst, int num_threads, Block block) {
   constexpr std::int64_t kCols = 64;
+  const std::int64_t r_b = rows / B * B;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
   for (std::int64_t c0 = 0; c0 < cols; c0 += kCols) {
-    const std::int64_t c_end = std::min(cols, c0 + kCols), c8 = c0 + (c_end - c0) / 8 * 8;
-    const std::int64_t r8 = rows / 8 * 8;
-    for (std::int64_t i = 0; i < r8; i += 8) {
-      for (std::int64_t c = c0; c < c8; c += 8) {
-        __m128i r[8], t[8], u[8];
-        for (int k = 0; k < 8; ++k)
-          r[k] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (i + k) * ld_src + c));
-        for (int k = 0; k < 8; k += 2) {
-          t[k] = _mm_unpacklo_epi16(r[k], r[k + 1]);      // rows k, k+1 of columns 0-3, interleaved
-          t[k + 1] = _mm_unpackhi_epi16(r[k], r[k + 1]);  // of columns 4-7
-        }
-        for (int h = 0; h < 2; ++h) {  // h = 0: columns 0-3, 1: columns 4-7
-          u[4 * h] = _mm_unpacklo_epi32(t[h], t[h + 2]);  // rows 0-3 of two columns
-          u[4 * h + 1] = _mm_unpackhi_epi32(t[h], t[h + 2]);
-          u[4 * h + 2] = _mm_unpacklo_epi32(t[h + 4], t[h + 6]);  // rows 4-7 of the same columns
-          u[4 * h + 3] = _mm_unpackhi_epi32(t[h + 4], t[h + 6]);
-        }
-        for (int h = 0; h < 2; ++h)
-          for (int q = 0; q < 2; ++q) {
-            const std::int64_t col = c + 4 * h + 2 * q;
-            auto* d0 = reinterpret_cast<__m128i*>(dst + col * ld_dst + i);
-            auto* d1 = reinterpret_cast<__m128i*>(dst + (col + 1) * ld_dst + i);
-            _mm_storeu_si128(d0, _mm_unpacklo_epi64(u[4 * h + q], u[4 * h + 2 + q]));
-            _mm_storeu_si128(d1, _mm_unpackhi_epi64(u[4 * h + q], u[4 * h + 2 + q]));
-          }
-      }
-      for (std::int64_t c = c8; c < c_end; ++c)
-        for (std::int64_t k = i; k < i + 8; ++k) dst[c * ld_dst + k] = src[k * ld_src + c];
+    const std::int64_t c_end = std::min(cols, c0 + kCols), c_b = c0 + (c_end - c0) / B * B;
+    for (std::int64_t i = 0; i < r_b; i += B) {
+      for (std::int64_t c = c0; c < c_b; c += B)
+        block(src + i * ld_src + c, ld_src, dst + c * ld_dst + i, ld_dst);
+      for (std::int64_t c = c_b; c < c_end; ++c)
+        for (std::int64_t k = i; k < i + B; ++k) dst[c * ld_dst + k] = src[k * ld_src + c];
     }
     for (std::int64_t c = c0; c < c_end; ++c)
-      for (std::int64_t k = r8; k < rows; ++k) dst[c * ld_dst + k] = src[k * ld_src + c];
+      for (std::int64_t k = r_b; k < rows; ++k) dst[c * ld_dst + k] = src[k * ld_src + c];
   }
+}
+
+// One 8 x 8 block of 16-bit values: rows of src to rows (columns of src) of dst.
+void transpose_8x8_u16(const std::uint16_t* src, std::int64_t ld_src, std::uint16_t* dst,
+                       std::int64_t ld_dst) {
+  __m128i r[8], t[8], u[8];
+  for (int k = 0; k < 8; ++k) r[k] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k * ld_src));
+  for (int k = 0; k < 8; k += 2) {
+    t[k] = _mm_unpacklo_epi16(r[k], r[k + 1]);      // rows k, k+1 of columns 0-3, interleaved
+    t[k + 1] = _mm_unpackhi_epi16(r[k], r[k + 1]);  // of columns 4-7
+  }
+  for (int h = 0; h < 2; ++h) {  // h = 0: columns 0-3, 1: columns 4-7
+    u[4 * h] = _mm_unpacklo_epi32(t[h], t[h + 2]);  // rows 0-3 of two columns
+    u[4 * h + 1] = _mm_unpackhi_epi32(t[h], t[h + 2]);
+    u[4 * h + 2] = _mm_unpacklo_epi32(t[h + 4], t[h + 6]);  // rows 4-7 of the same columns
+    u[4 * h + 3] = _mm_unpackhi_epi32(t[h + 4], t[h + 6]);
+  }
+  for (int h = 0; h < 2; ++h)
+    for (int q = 0; q < 2; ++q) {
+      const std::int64_t col = 4 * h + 2 * q;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + col * ld_dst),
+                       _mm_unpacklo_epi64(u[4 * h + q], u[4 * h + 2 + q]));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (col + 1) * ld_dst),
+                       _mm_unpackhi_epi64(u[4 * h + q], u[4 * h + 2 + q]));
+    }
+}
+
+// One 4 x 4 block of floats.
+void transpose_4x4_f32(const float* src, std::int64_t ld_src, float* dst, std::int64_t ld_dst) {
+  const __m128 r0 = _mm_loadu_ps(src), r1 = _mm_loadu_ps(src + ld_src), r2 = _mm_loadu_ps(src + 2 * ld_src),
+               r3 = _mm_loadu_ps(src + 3 * ld_src);
+  const __m128 t0 = _mm_unpacklo_ps(r0, r1), t1 = _mm_unpackhi_ps(r0, r1);  // rows 0, 1 interleaved
+  const __m128 t2 = _mm_unpacklo_ps(r2, r3), t3 = _mm_unpackhi_ps(r2, r3);  // rows 2, 3
+  _mm_storeu_ps(dst, _mm_movelh_ps(t0, t2));
+  _mm_storeu_ps(dst + ld_dst, _mm_movehl_ps(t2, t0));
+  _mm_storeu_ps(dst + 2 * ld_dst, _mm_movelh_ps(t1, t3));
+  _mm_storeu_ps(dst + 3 * ld_dst, _mm_movehl_ps(t3, t1));
 }
 
 // The bf16 operands of the backward's products from the fp32 d_new rows [0, rows) (rows a
@@ -152,23 +170,10 @@ void split_to_bf16(const float* dnew, std::int64_t ld, std::int64_t rows, std::i
     }
   }
   for (int part = 0; part < parts; ++part) {
-    transpose16(dn[part], rows, c2, ld_dn, dnt[part], ld_t, num_threads);
+    transpose_blocks<8>(dn[part], rows, c2, ld_dn, dnt[part], ld_t, num_threads, transpose_8x8_u16);
     for (std::int64_t c = c2; c < c2p; ++c)
       std::fill(dnt[part] + c * ld_t, dnt[part] + c * ld_t + rows, std::uint16_t{0});
   }
-}
-
-// dst[c, i] = src[i, c]; cache-blocked, parallel over column blocks. A pure
-// copy: no rounding, so the thread count cannot matter.
-void transpose(const float* src, std::int64_t rows, std::int64_t cols, std::int64_t ld_src, float* dst,
-               std::int64_t ld_dst, int num_threads) {
-  constexpr std::int64_t kBlock = 32;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (std::int64_t c0 = 0; c0 < cols; c0 += kBlock)
-    for (std::int64_t r0 = 0; r0 < rows; r0 += kBlock)
-      for (std::int64_t c = c0; c < std::min(cols, c0 + kBlock); ++c)
-        for (std::int64_t i = r0; i < std::min(rows, r0 + kBlock); ++i)
-          dst[c * ld_dst + i] = src[i * ld_src + c];
 }
 
 // Rows of [a, b) that receive gradient: tokens inside their batch's
@@ -302,7 +307,8 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
                     buf.ld_h, false, num_threads))
         return {StatusCode::runtime_error, "[kvcomp] oneDNN matmul for d_x failed"};
       // [d_wkv ; d_wgate] += [d_new_kv | d_new_score]^T . x
-      transpose(buf.dnew, n, 2 * C, buf.ld_c2, buf.dnew_t, buf.ld_r, num_threads);
+      transpose_blocks<4>(buf.dnew, n, 2 * C, buf.ld_c2, buf.dnew_t, buf.ld_r, num_threads,
+                          transpose_4x4_f32);
       if (!gemm_f32(2 * C, H, n, {buf.dnew_t, buf.ld_r, false}, {buf.xf, buf.ld_h, false}, buf.dwcat,
                     buf.ld_h, dw_written, num_threads))
         return {StatusCode::runtime_error, "[kvcomp] oneDNN matmul for d_wkv/d_wgate failed"};

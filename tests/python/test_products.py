@@ -350,12 +350,12 @@ def _backward_run(tmp_path, products, case):
     return kind, torch.load(f)
 
 
-# A realistic H, and widths whose 2C (52) is no multiple of 8 (d_new's bf16 transpose runs 8 x 8 blocks
-# and the edge columns one by one).
+# A realistic H, and widths whose 2C (26) is a multiple of neither 8 nor 4 (d_new's transposes run 8 x 8
+# blocks of bf16 or 4 x 4 of fp32, and the edge columns one by one).
 _BACKWARD_CASES = {
     "H1024": dict(lens=[300, 170], th=True, r=4, coff=2, start_pos=[3, 0], H=1024, D=64, dtype="bf16",
                   seed=13),
-    "odd_widths": dict(lens=[150, 90], th=True, r=4, coff=2, start_pos=[1, 0], H=200, D=13, dtype="bf16",
+    "odd_widths": dict(lens=[150, 90], th=True, r=4, coff=1, start_pos=[1, 0], H=200, D=13, dtype="bf16",
                        seed=14),
 }
 
@@ -380,11 +380,14 @@ def test_backward_on_the_bf16_units_against_the_truth(tmp_path, shape):
     for precision in ("precise", "npu_parity"):
         for i, n in enumerate(names):
             dt, key = (torch.float32, "fp32") if n == "d_ape" else (torch.bfloat16, "bf16")
-            a, c = ours[precision][i].to(dt), grads_c[n].to(dt)
-            rep = three_way(a, grads_b[n].to(dt), c, key)
-            assert rep.passed, (precision, n, rep.summary())
-            if precision == "npu_parity" and n != "d_ape":
-                tw = two_way(a, grads_b[n].to(dt), key)
-                assert tw.passed, (n, tw.summary())
-        # the two paths really differ (else this test would check the fp32 path twice)
-        assert not torch.equal(ours[precision][0], f32[precision][0]), precision
+            for path, grads in (("bf16", ours), ("f32", f32)):  # the fp32 path too (its own transpose)
+                a, c = grads[precision][i].to(dt), grads_c[n].to(dt)
+                rep = three_way(a, grads_b[n].to(dt), c, key)
+                assert rep.passed, (path, precision, n, rep.summary())
+                if precision == "npu_parity" and n != "d_ape":
+                    tw = two_way(a, grads_b[n].to(dt), key)
+                    assert tw.passed, (path, n, tw.summary())
+        # the two paths really differ (else this test would check the fp32 path twice); at the small
+        # shape their gradients, rounded to bf16, may coincide
+        if shape == "H1024":
+            assert not torch.equal(ours[precision][0], f32[precision][0]), precision
