@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <cstring>
+#include <optional>
 
 #include "cpu/backend.hpp"
 #include "cpu/block_phases.hpp"
@@ -123,9 +124,10 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
   // A decode call of at most 8 rows without prepared weights, on AVX2: its fp32 products read the 16-bit
   // weights where they lie (gemm.hpp), with the bits of the converted copy, and skip converting them.
   const bool fp16 = d.io == DType::f16;
-  const bool half_in_place =
-      !buf.bf16 && !prepared.kv && (d.io == DType::bf16 || fp16) &&
-      gemm_rows_16bit_applicable(d.T, C, H, fp16);
+  const std::optional<SgemmOrder> in_place_order = !buf.bf16 && !prepared.kv && (d.io == DType::bf16 || fp16)
+                                                       ? gemm_rows_16bit_order(d.T, C, H, fp16)
+                                                       : std::nullopt;
+  const bool half_in_place = in_place_order.has_value();
   // The AVX-512 panels kvcomp's bf16 kernel reads: the prepared ones, else written now for a long call.
   const std::uint16_t* panels[] = {prepared.kv_panels, prepared.gate_panels};
   if (buf.bf16) {
@@ -210,13 +212,15 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
       if (!ok) return {StatusCode::runtime_error, "[kvcomp] oneDNN bf16 matmul for the projections failed"};
     } else {
       rows_to_f32(x_rows, d.io, n, H, buf.xf, buf.ld_h, num_threads);
-      if (prepared.kv_panels && gemm_row_panels_applicable(n, C, H, fp16)) {  // decode panels
+      const std::optional<SgemmOrder> panel_order =
+          prepared.kv_panels ? gemm_row_panels_order(n, C, H, fp16) : std::nullopt;
+      if (panel_order) {  // decode panels
         gemm_row_panels(n, C, H, buf.xf, buf.ld_h, prepared.kv_panels, prepared.gate_panels, fp16, rows,
-                        buf.ld_c2, num_threads);
+                        buf.ld_c2, *panel_order, num_threads);
       } else if (half_in_place) {  // [new_kv | new_score] = x . [wkv ; wgate]^T, the weights as they lie
         gemm_rows_16bit_weights(n, C, H, buf.xf, buf.ld_h, static_cast<const std::uint16_t*>(args.wkv.data),
                                 static_cast<const std::uint16_t*>(args.wgate.data), fp16, rows, buf.ld_c2,
-                                num_threads);
+                                *in_place_order, num_threads);
       } else {
         // Zero rows up to the padded M, so each token's projection is computed
         // alike whatever the chunk's row count (gemm.hpp, row stability).

@@ -243,9 +243,11 @@ bool gemm_rows_kernel_active() { return use_rows_kernel(); }
 
 bool gemm_rows_order_probed() { return onednn_has_avx512(); }
 
-bool gemm_rows_16bit_applicable(std::int64_t n, std::int64_t half, std::int64_t K, bool fp16) {
-  return n >= 1 && n <= kRowsKernelMax && half > 0 && half % 16 == 0 && rows_kernel_for(fp16) &&
-         projection_order(half, K).has_value();
+std::optional<SgemmOrder> gemm_rows_16bit_order(std::int64_t n, std::int64_t half, std::int64_t K,
+                                                bool fp16) {
+  if (n < 1 || n > kRowsKernelMax || half <= 0 || half % 16 != 0 || !rows_kernel_for(fp16))
+    return std::nullopt;
+  return projection_order(half, K);
 }
 
 namespace {
@@ -270,9 +272,8 @@ void deal_weight_tiles(std::int64_t half, std::int64_t width, int num_threads, F
 
 void gemm_rows_16bit_weights(std::int64_t n, std::int64_t half, std::int64_t K, const float* a,
                              std::int64_t lda, const std::uint16_t* wkv, const std::uint16_t* wgate,
-                             bool fp16, float* c, std::int64_t ldc, int num_threads) {
+                             bool fp16, float* c, std::int64_t ldc, SgemmOrder order, int num_threads) {
   const auto kernel = fp16 ? &gemm_rows_avx2_f16 : &gemm_rows_avx2_bf16;
-  const SgemmOrder order = projection_order(half, K).value_or(kSgemmAvx2);  // applicable: known
   // The column tiles of gemm_f32.
   deal_weight_tiles(half, kTileN, num_threads, [&](bool gate, std::int64_t n0, std::int64_t nt) {
     kernel(n, nt, K, a, lda, (gate ? wgate : wkv) + n0 * K, K, c + (gate ? half : 0) + n0, ldc, order);
@@ -298,18 +299,18 @@ void write_panels(const std::uint16_t* w, std::int64_t ldw, std::int64_t n, std:
   }
 }
 
-bool gemm_row_panels_applicable(std::int64_t n, std::int64_t half, std::int64_t K, bool fp16) {
+std::optional<SgemmOrder> gemm_row_panels_order(std::int64_t n, std::int64_t half, std::int64_t K,
+                                                bool fp16) {
   // Up to 256 rows on AVX-512 (decode: C4A B = 256 12.0 -> 10.5 ms on Zen 5, where sgemm alone on the
   // fp32 rows takes 9.0 ms); longer calls, whose padding costs little, keep sgemm's higher rate.
   const bool rows_ok = n == 1 || (n > 1 && n <= kPanelRowsMax && active_isa() >= Isa::avx512);
-  return rows_ok && half > 0 && half % 16 == 0 && rows_kernel_for(fp16) &&
-         projection_order(half, K).has_value();
+  if (!rows_ok || half <= 0 || half % 16 != 0 || !rows_kernel_for(fp16)) return std::nullopt;
+  return projection_order(half, K);
 }
 
 void gemm_row_panels(std::int64_t n, std::int64_t half, std::int64_t K, const float* a, std::int64_t lda,
                      const std::uint16_t* kv_panels, const std::uint16_t* gate_panels, bool fp16, float* c,
-                     std::int64_t ldc, int num_threads) {
-  const SgemmOrder order = projection_order(half, K).value_or(kSgemmAvx2);  // applicable: known
+                     std::int64_t ldc, SgemmOrder order, int num_threads) {
   // One panel per tile.
   deal_weight_tiles(half, kPanelWidth, num_threads, [&](bool gate, std::int64_t n0, std::int64_t nt) {
     const std::uint16_t* panel = (gate ? gate_panels : kv_panels) + n0 * K;

@@ -91,8 +91,8 @@ void tile_rest(std::int64_t m, const float* a, std::int64_t lda, const std::uint
 // All m rows against 16G columns of a panel (panel at the group's first column, row stride w): K block
 // by K block, each block's slice of the panel read by every row tile while it is in the caches.
 template <int G, bool kFp16>
-void groups(std::int64_t m, std::int64_t k, const float* a, std::int64_t lda, const std::uint16_t* panel,
-            std::int64_t w, float* c, std::int64_t ldc, const KBlocks& blocks) {
+void groups(std::int64_t m, const float* a, std::int64_t lda, const std::uint16_t* panel, std::int64_t w,
+            float* c, std::int64_t ldc, const KBlocks& blocks) {
   for (int blk = 0; blk < blocks.count; ++blk) {
     const std::int64_t k0 = blocks.begin(blk), k1 = blocks.end(blk);
     std::int64_t r = 0;
@@ -102,7 +102,6 @@ void groups(std::int64_t m, std::int64_t k, const float* a, std::int64_t lda, co
       tile_rest<G, kFp16>(m - r, a + r * lda, lda, panel, w, k0, k1, blk, c + r * ldc, ldc,
                           std::make_index_sequence<kTileRows - 1>{});
   }
-  (void)k;
 }
 
 template <bool kFp16>
@@ -113,8 +112,8 @@ void rows_panels(std::int64_t m, std::int64_t n, std::int64_t k, const float* a,
     const std::int64_t w = std::min(kPanelWidth, n - p0);
     const std::uint16_t* panel = panels + p0 * k;
     std::int64_t g = 0;
-    for (; g + 32 <= w; g += 32) groups<2, kFp16>(m, k, a, lda, panel + g, w, c + p0 + g, ldc, blocks);
-    for (; g < w; g += 16) groups<1, kFp16>(m, k, a, lda, panel + g, w, c + p0 + g, ldc, blocks);
+    for (; g + 32 <= w; g += 32) groups<2, kFp16>(m, a, lda, panel + g, w, c + p0 + g, ldc, blocks);
+    for (; g < w; g += 16) groups<1, kFp16>(m, a, lda, panel + g, w, c + p0 + g, ldc, blocks);
   }
 }
 
