@@ -14,6 +14,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "cpu/gemm.hpp"
@@ -233,6 +234,32 @@ Bf16Plan bf16_plan(const Bf16Shape& s) {
   }
 }
 
+namespace {
+
+// How one matrix's packing splits into reorders of column slices: the packed layout is one of
+// oneDNN's BA16a<n>b2a (columns in blocks of n, each block's rows contiguous), so columns [c0, c1),
+// c0 a multiple of n, are the bytes from the packed size of c0 columns on. width: the slices'
+// columns (a multiple of n), or 0 where the layout is none of these (one reorder per matrix).
+struct PackSlicing {
+  dnnl::memory::format_tag tag = dnnl::memory::format_tag::undef;
+  std::int64_t width = 0;
+};
+
+PackSlicing pack_slicing(const Bf16Shape& s, const dnnl::memory::desc& packed, int slices) {
+  using tag = dnnl::memory::format_tag;
+  const std::pair<tag, std::int64_t> blocked[] = {
+      {tag::BA16a64b2a, 64}, {tag::BA16a48b2a, 48}, {tag::BA16a32b2a, 32}, {tag::BA16a16b2a, 16}};
+  for (const auto& [t, n] : blocked) {
+    if (packed != dnnl::memory::desc({s.K, s.N}, dt::bf16, t)) continue;
+    const std::int64_t blocks = (s.N + n - 1) / n;
+    const std::int64_t per = (blocks + std::max(slices, 1) - 1) / std::max(slices, 1);
+    return {t, per * n};
+  }
+  return {};
+}
+
+}  // namespace
+
 bool bf16_pack_b(const Bf16Shape& s, const Bf16PackJob* jobs, int count, int num_threads) {
   if (count <= 0) return true;
   const TilePrimitive* t = nullptr;
@@ -242,15 +269,33 @@ bool bf16_pack_b(const Bf16Shape& s, const Bf16PackJob* jobs, int count, int num
     return false;
   }
   if (t->in_place) return true;  // the products read B where it lies
+  // Fewer matrices than threads: each is packed as column slices, so that every thread has a share
+  // (one reorder per slice, single-threaded on its thread as below).
+  const int threads = std::max(num_threads, 1);
+  const PackSlicing slicing =
+      count < threads ? pack_slicing(s, t->pd.weights_desc(), (threads + count - 1) / count) : PackSlicing{};
+  const std::int64_t per_job = slicing.width > 0 ? (s.N + slicing.width - 1) / slicing.width : 1;
+  const std::int64_t units = count * per_job;
   std::atomic<bool> ok{true};
-#pragma omp parallel num_threads(std::max(1, std::min(num_threads, count)))
+#pragma omp parallel num_threads(static_cast<int>(std::min<std::int64_t>(threads, units)))
   {
     omp_set_num_threads(1);  // this implicit task's limit only: the reorder runs on this thread
     try {
       dnnl::stream st(engine());
-      for (int j = omp_get_thread_num(); j < count; j += omp_get_num_threads()) {
-        dnnl::memory src(plain_b(s, s.N), engine(), const_cast<std::uint16_t*>(jobs[j].b));
-        dnnl::memory dst(t->pd.weights_desc(), engine(), jobs[j].packed);
+      for (std::int64_t u = omp_get_thread_num(); u < units; u += omp_get_num_threads()) {
+        const Bf16PackJob& job = jobs[u / per_job];
+        if (slicing.width == 0) {
+          dnnl::memory src(plain_b(s, s.N), engine(), const_cast<std::uint16_t*>(job.b));
+          dnnl::memory dst(t->pd.weights_desc(), engine(), job.packed);
+          dnnl::reorder(src, dst).execute(st, src, dst);
+          continue;
+        }
+        const std::int64_t c0 = (u % per_job) * slicing.width, cols = std::min(slicing.width, s.N - c0);
+        const std::uint16_t* b = job.b + (s.b_transposed ? c0 * s.ldb : c0);
+        const std::size_t at = c0 == 0 ? 0 : dnnl::memory::desc({s.K, c0}, dt::bf16, slicing.tag).get_size();
+        dnnl::memory src(plain_b(s, cols), engine(), const_cast<std::uint16_t*>(b));
+        dnnl::memory dst(dnnl::memory::desc({s.K, cols}, dt::bf16, slicing.tag), engine(),
+                         static_cast<unsigned char*>(job.packed) + at);
         dnnl::reorder(src, dst).execute(st, src, dst);
       }
       st.wait();

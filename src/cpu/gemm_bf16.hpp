@@ -115,12 +115,15 @@ struct Bf16PackJob {
   void* packed = nullptr;
 };
 
-// Packs `count` matrices of one shape (nothing to do when packed_bytes is 0),
-// each by one oneDNN reorder (a copy: the result does not depend on the
-// threads) run single-threaded on one of up to num_threads threads: an
+// Packs `count` matrices of one shape (nothing to do when packed_bytes is 0)
+// by oneDNN reorders (copies: the result does not depend on the threads),
+// each run single-threaded on one of up to num_threads threads: an
 // allocation that fails inside oneDNN then throws on our thread, where it is
-// caught, instead of inside an OpenMP region of oneDNN's (terminate). False
-// if oneDNN failed.
+// caught, instead of inside an OpenMP region of oneDNN's (terminate). With
+// fewer matrices than threads, each is packed as column slices (whole blocks
+// of the packed layout), one reorder per slice, so that every thread copies a
+// share (the backward's weights and x chunks: one matrix each). False if
+// oneDNN failed.
 bool bf16_pack_b(const Bf16Shape& s, const Bf16PackJob* jobs, int count, int num_threads);
 
 // One product of a call on a shared A: its B (the packed copy, or B itself when packed_bytes is 0)

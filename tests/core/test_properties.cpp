@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "harness.hpp"
 
@@ -28,10 +30,10 @@ bool bitwise_equal(const std::vector<T>& a, const std::vector<T>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
 }
 
-TEST(Determinism, BackwardBitwiseAcrossThreadCounts) {
-  auto rc = make_random_case(chunked_case(), 5);
-  round_io_inputs(rc.in, DType::bf16);
-  const BackwardData bd = make_backward_data(rc.problem, rc.in, DType::bf16, 11);
+// Backward runs of the case on 2, 3, 4 and 7 threads give the bits of the run on one thread, whose d_x
+// goes to `d_x`.
+void expect_backward_bits_across_threads(const RandomCase<double>& rc, const BackwardData& bd,
+                                         std::vector<std::uint16_t>& d_x) {
   BackwardRun base(rc.problem, rc.in, bd, DType::bf16);
   Options o;
   o.num_threads = 1;
@@ -45,12 +47,38 @@ TEST(Determinism, BackwardBitwiseAcrossThreadCounts) {
     EXPECT_TRUE(bitwise_equal(base.d_wgate.half, again.d_wgate.half)) << threads << " threads";
     EXPECT_TRUE(bitwise_equal(base.d_ape.f32, again.d_ape.f32)) << threads << " threads";
   }
+  d_x = base.d_x.half;
+}
+
+// Forward runs of the case on 2, 3 and 5 threads give the bits of the run on one thread.
+void expect_forward_bits_across_threads(const RandomCase<double>& rc, DType io) {
+  ForwardRun base(rc.problem, rc.in, io);
+  Options o;
+  o.num_threads = 1;
+  ASSERT_TRUE(base.run(o).ok());
+  for (int threads : {2, 3, 5}) {
+    ForwardRun again(rc.problem, rc.in, io);
+    o.num_threads = threads;
+    ASSERT_TRUE(again.run(o).ok());
+    EXPECT_TRUE(bitwise_equal(base.cmp_kv.half, again.cmp_kv.half)) << threads << " threads";
+    EXPECT_TRUE(bitwise_equal(base.softmax_score.f32, again.softmax_score.f32)) << threads << " threads";
+    EXPECT_TRUE(bitwise_equal(base.kv.f32, again.kv.f32)) << threads << " threads";
+    EXPECT_TRUE(bitwise_equal(base.cache.f32, again.cache.f32)) << threads << " threads";
+  }
+}
+
+TEST(Determinism, BackwardBitwiseAcrossThreadCounts) {
+  auto rc = make_random_case(chunked_case(), 5);
+  round_io_inputs(rc.in, DType::bf16);
+  const BackwardData bd = make_backward_data(rc.problem, rc.in, DType::bf16, 11);
+  std::vector<std::uint16_t> d_x;
+  expect_backward_bits_across_threads(rc, bd, d_x);
   // And run to run with the default thread count.
   BackwardRun r1(rc.problem, rc.in, bd, DType::bf16), r2(rc.problem, rc.in, bd, DType::bf16);
   ASSERT_TRUE(r1.run().ok());
   ASSERT_TRUE(r2.run().ok());
   EXPECT_TRUE(bitwise_equal(r1.d_wkv.half, r2.d_wkv.half));
-  EXPECT_TRUE(bitwise_equal(r1.d_x.half, base.d_x.half));
+  EXPECT_TRUE(bitwise_equal(r1.d_x.half, d_x));
 }
 
 // The products set the OpenMP limit of their worker tasks to 1 (so oneDNN
@@ -77,19 +105,27 @@ TEST(Determinism, CallerOpenMpLimitIsUnchanged) {
 TEST(Determinism, ForwardBitwiseAcrossThreadCounts) {
   auto rc = make_random_case(chunked_case(), 6);
   round_io_inputs(rc.in, DType::f16);
-  ForwardRun base(rc.problem, rc.in, DType::f16);
-  Options o;
-  o.num_threads = 1;
-  ASSERT_TRUE(base.run(o).ok());
-  for (int threads : {2, 3, 5}) {
-    ForwardRun again(rc.problem, rc.in, DType::f16);
-    o.num_threads = threads;
-    ASSERT_TRUE(again.run(o).ok());
-    EXPECT_TRUE(bitwise_equal(base.cmp_kv.half, again.cmp_kv.half)) << threads << " threads";
-    EXPECT_TRUE(bitwise_equal(base.softmax_score.f32, again.softmax_score.f32)) << threads << " threads";
-    EXPECT_TRUE(bitwise_equal(base.kv.f32, again.kv.f32)) << threads << " threads";
-    EXPECT_TRUE(bitwise_equal(base.cache.f32, again.cache.f32)) << threads << " threads";
-  }
+  expect_forward_bits_across_threads(rc, DType::f16);
+}
+
+// Rows of H = 200 and C = 80 span more than one 64-column block of oneDNN's packed layout, so where B is
+// packed (AMX, KVCOMP_BF16_PACKED=1) a call with more threads than matrices packs them in column slices
+// (bf16_pack_b), and every slice must land where one whole reorder puts it.
+TEST(Determinism, WideBf16CallsBitwiseAcrossThreadCounts) {
+  RandomOptions opts;
+  opts.B = 2;
+  opts.S = 200;
+  opts.H = 200;
+  opts.D = 40;
+  opts.coff = 2;
+  opts.r = 4;
+  opts.max_start_pos = 9;
+  auto rc = make_random_case(opts, 12);
+  round_io_inputs(rc.in, DType::bf16);
+  expect_forward_bits_across_threads(rc, DType::bf16);
+  const BackwardData bd = make_backward_data(rc.problem, rc.in, DType::bf16, 13);
+  std::vector<std::uint16_t> d_x;
+  expect_backward_bits_across_threads(rc, bd, d_x);
 }
 
 // Spec 2.7: no compressed block at all => four all-zero outputs, even though
