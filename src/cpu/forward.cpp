@@ -196,11 +196,14 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
                               both, num_threads, panels[0] ? panels : nullptr);
       } else if (gemm_row_stable()) {
         // Few rows (decode): padded to 2 in column tiles where the kernel's rows allow it
-        // (bf16_short_rows_stable), else to whole 64-row tiles; either gives a row the same bits.
+        // (bf16_short_rows_stable), on a packed B (AMX) under 64 rows to a multiple of 16 where that
+        // tile's rows keep their bits (bf16_packed_short_rows), else to whole 64-row tiles; each
+        // gives a row the same bits.
         const std::int64_t n_short = std::max<std::int64_t>(n, 2);
         const bool short_rows =
             n_short < kBf16TileRows * std::max(num_threads, 1) && bf16_short_rows_stable(shape, n_short);
-        const std::int64_t n_pad = short_rows ? n_short : bf16_padded_rows(n);
+        const std::int64_t n_packed = short_rows ? 0 : bf16_packed_short_rows(shape, n);
+        const std::int64_t n_pad = short_rows ? n_short : n_packed > 0 ? n_packed : bf16_padded_rows(n);
         std::memcpy(buf.xb, x_rows, static_cast<std::size_t>(n * H) * sizeof(std::uint16_t));
         std::memset(buf.xb + n * H, 0, static_cast<std::size_t>((n_pad - n) * H) * sizeof(std::uint16_t));
         ok = short_rows ? gemm_bf16_rows(shape, n_pad, buf.xb, both, false, num_threads)

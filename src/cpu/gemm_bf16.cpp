@@ -358,7 +358,8 @@ bool run_tiles(std::int64_t tiles, const TilePrimitive* full, const TilePrimitiv
 bool gemm_bf16(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
                std::span<const Bf16Target> targets, bool accumulate, int num_threads) {
   if (M <= 0 || s.N <= 0 || targets.empty()) return true;
-  if (M % kBf16TileRows != 0) return false;
+  if (M % kBf16TileRows != 0 && (accumulate || M > kBf16TileRows || bf16_packed_short_rows(s, M) != M))
+    return false;
   const TilePrimitive* full = nullptr;
   const TilePrimitive* last = nullptr;
   std::int64_t unit = kBf16TileRows;
@@ -387,6 +388,70 @@ bool gemm_bf16(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
         const std::int64_t r = i % per;
         return Tile{(r + 1) * unit <= M ? full : last, a + r * unit * s.lda, x.b, x.c + r * unit * s.ldc};
       });
+}
+
+namespace {
+
+// A bf16 of random sign, exponent 2^-8 .. 2^8 and mantissa, from a linear congruential state.
+std::uint16_t next_probe_value(std::uint32_t& state) {
+  state = state * 1664525u + 1013904223u;
+  const std::uint32_t r = state >> 8;
+  return static_cast<std::uint16_t>((r & 0x8000u) | ((127u - 8u + (r >> 7) % 17u) << 7) | (r & 0x7Fu));
+}
+
+// Whether the m-row tile primitive of this shape gives rows [0, m) and [64 - m, 64) of a 64-row tile
+// the bits the 64-row primitive gives them, on random operands packed as the products read them.
+bool short_packed_tile_matches(const Bf16Shape& s, std::int64_t m) {
+  const TilePrimitive* tall = tile_primitive(s, false);
+  if (tall->in_place) return false;
+  const TilePrimitive* low = tile_primitive(s, false, m);
+  if (low->pd.weights_desc() != tall->pd.weights_desc()) return false;
+  std::uint32_t state = 0x9E3779B9u + static_cast<std::uint32_t>(s.K * 131 + s.N);
+  std::vector<std::uint16_t> a(static_cast<std::size_t>(kBf16TileRows * s.lda));
+  std::vector<std::uint16_t> b(static_cast<std::size_t>((s.b_transposed ? s.N : s.K) * s.ldb));
+  for (auto& v : a) v = next_probe_value(state);
+  for (auto& v : b) v = next_probe_value(state);
+  std::vector<unsigned char> packed(tall->pd.weights_desc().get_size());
+  const Bf16PackJob job{b.data(), packed.data()};
+  if (!bf16_pack_b(s, &job, 1, 1)) return false;
+  const std::size_t c_size = static_cast<std::size_t>(kBf16TileRows * s.ldc);
+  std::vector<float> want(c_size, 0.0f), got(c_size, 0.0f);
+  const auto tall_tile = [&](std::int64_t) { return Tile{tall, a.data(), packed.data(), want.data()}; };
+  if (!run_tiles(1, tall, tall, 1, tall_tile)) return false;
+  for (const std::int64_t r0 : {std::int64_t{0}, kBf16TileRows - m}) {
+    const bool ran = run_tiles(1, low, low, 1, [&](std::int64_t) {
+      return Tile{low, a.data() + r0 * s.lda, packed.data(), got.data() + r0 * s.ldc};
+    });
+    if (!ran) return false;
+    for (std::int64_t i = r0; i < r0 + m; ++i)
+      if (std::memcmp(got.data() + i * s.ldc, want.data() + i * s.ldc, static_cast<std::size_t>(s.N) * 4))
+        return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+std::int64_t bf16_packed_short_rows(const Bf16Shape& s, std::int64_t n) {
+  if (n < 1 || n >= kBf16TileRows || !bf16_product_kernel()) return 0;
+  const std::int64_t m = (n + kBf16ShortTileRows - 1) / kBf16ShortTileRows * kBf16ShortTileRows;
+  static std::mutex mu;
+  using ShapeKey = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t, bool,
+                              std::int64_t>;
+  static std::map<ShapeKey, bool> probed;
+  const std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_tuple(s.N, s.K, s.lda, s.ldc, s.ldb, s.b_transposed, m);
+  auto it = probed.find(key);
+  if (it == probed.end()) {
+    bool ok = false;
+    try {
+      ok = short_packed_tile_matches(s, m);
+    } catch (const std::exception&) {  // dnnl::error, std::bad_alloc: 64-row tiles
+      ok = false;
+    }
+    it = probed.emplace(key, ok).first;
+  }
+  return it->second ? m : 0;
 }
 
 namespace {
@@ -456,13 +521,8 @@ bool rows_kernel_matches_jit(std::int64_t K) {
   if (!bf16_short_rows_stable(probe, M)) return false;
   std::vector<std::uint16_t> a(static_cast<std::size_t>(M * K)), b(static_cast<std::size_t>(N * K));
   std::uint32_t state = 0x2545F491u + static_cast<std::uint32_t>(K);
-  const auto next = [&state] {  // a bf16 of random sign, exponent 2^-8 .. 2^8 and mantissa
-    state = state * 1664525u + 1013904223u;
-    const std::uint32_t r = state >> 8;
-    return static_cast<std::uint16_t>((r & 0x8000u) | ((127u - 8u + (r >> 7) % 17u) << 7) | (r & 0x7Fu));
-  };
-  for (auto& v : a) v = next();
-  for (auto& v : b) v = next();
+  for (auto& v : a) v = next_probe_value(state);
+  for (auto& v : b) v = next_probe_value(state);
   std::vector<float> want(static_cast<std::size_t>(M * ldc)), got(want.size());
   const Bf16Target t{b.data(), want.data()};
   if (!gemm_bf16_rows(probe, M, a.data(), {&t, 1}, false, 1)) return false;

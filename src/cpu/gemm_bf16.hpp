@@ -24,7 +24,9 @@
 // on the other rows of the call (tests/python/test_products.py and
 // test_row_stability.py check both on the machine they run on). Decode-sized
 // forward calls pad to 2 rows instead, in column tiles, where the kernel
-// allows it (bf16_short_rows_stable).
+// allows it (bf16_short_rows_stable), and on a packed B to a multiple of 16
+// where a probe shows that the shorter tile keeps the rows' bits
+// (bf16_packed_short_rows).
 #pragma once
 
 #include <cstddef>
@@ -136,9 +138,23 @@ struct Bf16Target {
 // C[M, N] = A . B, or C += A . B when accumulate, for each target (products of one shape on the same
 // A, e.g. the two projections; their tiles are dealt to the threads together, so that a decode call
 // whose products are one tile each still uses two threads). M must be a multiple of kBf16TileRows
-// (the caller pads A with zero rows and gives C room for them). False if oneDNN failed.
+// (the caller pads A with zero rows and gives C room for them), or, without accumulate, a height that
+// bf16_packed_short_rows returned for this shape. False if oneDNN failed.
 bool gemm_bf16(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
                std::span<const Bf16Target> targets, bool accumulate, int num_threads);
+
+// Rows of a short tile on a packed B: AMX's tile height.
+constexpr std::int64_t kBf16ShortTileRows = 16;
+
+// A row-stable call of n rows (1 <= n < kBf16TileRows) on a packed B (AMX): the height, n rounded up
+// to kBf16ShortTileRows, that gemm_bf16 may run it at instead of a whole 64-row tile, or 0. A decode
+// call of 1 token then multiplies 16 rows on the tiles instead of 64: AMX works on every row of a
+// tile, so the padding rows cost as much as the token's (without this, B = 1 cost its 64-row product).
+// Only where oneDNN's primitive of that height gives every row the bits the 64-row tile gives it,
+// which its blocking does not promise: probed once per shape and height and process, on random
+// rows, at both ends of a 64-row tile (its K blocking may depend on M, and then the sums would
+// differ). 0 where B is read in place (bf16_short_rows_stable serves those) or the probe fails.
+std::int64_t bf16_packed_short_rows(const Bf16Shape& s, std::int64_t n);
 
 // Columns of one tile of gemm_bf16_rows.
 constexpr std::int64_t kBf16TileCols = 256;
