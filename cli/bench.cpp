@@ -10,8 +10,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <fstream>
 #include <functional>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <oneapi/dnnl/dnnl.hpp>
 #include <stdexcept>
 #include <string>
@@ -116,6 +118,7 @@ Timed run_of(const std::unique_ptr<Products>& p) {
 struct Result {
   double fwd_s = 0, fwd_products_s = 0, fwd_products_bf16_s = 0, bwd_s = 0, bwd_products_s = 0,
          bwd_products_bf16_s = 0;
+  double bwd_parity_s = 0;  // --both-modes: the npu_parity backward (bwd_s is then the precise one)
   long rss_mib = 0;
   double compressed_fraction = 0;  // tokens inside compressed blocks / T
 };
@@ -132,8 +135,13 @@ Result run_case(const Case& c, const BenchOptions& o) {
   };
   const Timed fwd = [&] { check(compressor_forward(w.forward(), opt)); };
   const Timed bwd = [&] { check(compressor_backward(w.backward(), opt)); };
+  Options parity_opt = opt;
+  parity_opt.precision = Precision::npu_parity;
+  const Timed bwd_parity =
+      o.both_modes ? Timed{[&] { check(compressor_backward(w.backward(), parity_opt)); }} : Timed{};
   fwd();  // warm-up: workspace, pages; the peak RSS is the operator's, before the baselines' buffers exist
   bwd();
+  if (bwd_parity) bwd_parity();
   res.rss_mib = peak_rss_mib();
   // The products alone (oneDNN, library threading), with fp32 and with bf16 operands, timed in the same
   // rounds as the operator.
@@ -142,13 +150,15 @@ Result run_case(const Case& c, const BenchOptions& o) {
   const auto bwd32 = products_or_none(false, c, Products::Which::backward);
   const auto bwd16 = products_or_none(true, c, Products::Which::backward);
   const std::vector<double> t = best_in_rounds(
-      o.repeat, {fwd, run_of(fwd32), run_of(fwd16), bwd, run_of(bwd32), run_of(bwd16)}, false, false);
+      o.repeat, {fwd, run_of(fwd32), run_of(fwd16), bwd, run_of(bwd32), run_of(bwd16), bwd_parity}, false,
+      false);
   res.fwd_s = t[0];
   res.fwd_products_s = t[1];
   res.fwd_products_bf16_s = t[2];
   res.bwd_s = t[3];
   res.bwd_products_s = t[4];
   res.bwd_products_bf16_s = t[5];
+  res.bwd_parity_s = t[6];
   return res;
 }
 
@@ -212,6 +222,16 @@ std::string ratio(double num, double den) {
   return b;
 }
 
+// Milliseconds, or null where the time was not measured (0).
+nlohmann::json ms_or_null(double seconds) {
+  return seconds > 0 ? nlohmann::json(seconds * 1e3) : nlohmann::json(nullptr);
+}
+
+// num / den, or null where either was not measured.
+nlohmann::json ratio_or_null(double num, double den) {
+  return num > 0 && den > 0 ? nlohmann::json(num / den) : nlohmann::json(nullptr);
+}
+
 // What the library's products run on for a bf16 call (product_kernels()).
 struct Used {
   bool fwd_bf16, bwd_bf16;
@@ -260,6 +280,12 @@ int run_bench(const BenchOptions& o) {
     }
   }
   if (o.device.type == DeviceType::cuda) {
+    if (!o.json.empty() || o.both_modes) {
+      print_error(static_cast<int>(StatusCode::invalid_param),
+                  std::string("[kvcomp] ") + (o.both_modes ? "--both-modes" : "--json") +
+                      " is for the CPU bench, not with --device cuda");
+      return kExitStatus;
+    }
     if (io != DType::bf16) {  // the GPU bench's products and buffers are bf16 (cli/bench_cuda.cpp)
       print_error(static_cast<int>(StatusCode::invalid_param),
                   "[kvcomp] --io (= " + o.io + ") must be bf16 with --device cuda");
@@ -276,16 +302,41 @@ int run_bench(const BenchOptions& o) {
     return kExitStatus;
 #endif
   }
+  // Opened first, so that an unwritable path fails before minutes of timing.
+  std::ofstream json_file;
+  if (!o.json.empty()) {
+    json_file.open(o.json);
+    if (!json_file) {
+      print_error(static_cast<int>(StatusCode::runtime_error), "[kvcomp] cannot write --json file " + o.json);
+      return kExitUsage;
+    }
+  }
   const Used used = products_used(o.npu_parity, io);
+  nlohmann::json doc = {{"kvcomp", version()},
+                        {"threads", threads},
+                        {"hidden", o.hidden},
+                        {"io", o.io},
+                        {"mode", o.npu_parity ? "npu_parity" : "precise"},
+                        {"both_modes", o.both_modes},
+                        {"isa", kernel_isa()},
+                        {"products", products_text(io)},
+                        {"repeat", o.repeat},
+                        {"decode_cold", o.decode_cold},
+                        {"training", nlohmann::json::array()},
+                        {"decode", nlohmann::json::array()}};
   std::printf("kvcomp %s bench: %d threads, H=%lld, %s io, %s mode, %s kernels, products %s, best of %d%s\n",
               version(), threads, static_cast<long long>(o.hidden), o.io.c_str(),
               o.npu_parity ? "npu_parity" : "precise", kernel_isa(), products_text(io).c_str(), o.repeat,
               o.decode_cold ? ", decode cold" : "");
   int i = 0;
-  if (!cases.empty())
-    std::printf("%-6s %-8s %6s %5s | %-10s | %8s %7s %6s %6s | %8s %7s %6s %6s | %7s\n", "prof", "layout",
-                "T", "cmp%", "products", "fwd ms", "GFLOP/s", "x f32p", "x 16p", "bwd ms", "GFLOP/s",
-                "x f32p", "x 16p", "peak MiB");
+  if (!cases.empty()) {
+    std::printf("%-6s %-8s %6s %5s | %-10s | %8s %7s %6s %6s | %8s %7s %6s %6s | %7s", "prof", "layout", "T",
+                "cmp%", "products", "fwd ms", "GFLOP/s", "x f32p", "x 16p", "bwd ms", "GFLOP/s", "x f32p",
+                "x 16p", "peak MiB");
+    if (o.both_modes) std::printf(" | %8s %6s %6s", "par ms", "x 16p", "pr/par");
+    std::printf("\n");
+  }
+  const Used parity_used = products_used(true, io);
   for (const Case& c : cases) {
     std::fprintf(stderr, "[%d/%zu] %s T=%lld %s ...\r", ++i, cases.size(), c.p.name,
                  static_cast<long long>(c.T), c.batches > 1 ? "TH" : "BSH");
@@ -295,13 +346,41 @@ int run_bench(const BenchOptions& o) {
     const double flop_fwd = c.forward_flop(), flop_bwd = c.backward_flop();
     const std::string layout = c.batches > 1 ? "TH/" + std::to_string(c.batches) : "BSH";
     const std::string kinds = std::string(used.fwd) + "/" + used.bwd;
-    std::printf("%-6s %-8s %6lld %5.1f | %-10s | %8.1f %7.1f %6s %6s | %8.1f %7.1f %6s %6s | %7ld\n",
+    std::printf("%-6s %-8s %6lld %5.1f | %-10s | %8.1f %7.1f %6s %6s | %8.1f %7.1f %6s %6s | %7ld",
                 c.p.name, layout.c_str(), static_cast<long long>(c.T), 100.0 * r.compressed_fraction,
                 kinds.c_str(), r.fwd_s * 1e3, flop_fwd / r.fwd_s / 1e9,
                 ratio(r.fwd_s, r.fwd_products_s).c_str(), ratio(r.fwd_s, r.fwd_products_bf16_s).c_str(),
                 r.bwd_s * 1e3, flop_bwd / r.bwd_s / 1e9, ratio(r.bwd_s, r.bwd_products_s).c_str(),
                 ratio(r.bwd_s, r.bwd_products_bf16_s).c_str(), r.rss_mib);
+    if (o.both_modes)
+      std::printf(" | %8.1f %6s %6s", r.bwd_parity_s * 1e3,
+                  ratio(r.bwd_parity_s, r.bwd_products_bf16_s).c_str(), ratio(r.bwd_s, r.bwd_parity_s).c_str());
+    std::printf("\n");
     std::fflush(stdout);
+    nlohmann::json row = {{"preset", c.p.name},
+                          {"layout", c.batches > 1 ? "TH" : "BSH"},
+                          {"sequences", c.batches},
+                          {"T", c.T},
+                          {"compressed_fraction", r.compressed_fraction},
+                          {"products", {{"forward", used.fwd}, {"backward", used.bwd}}},
+                          {"fwd_ms", ms_or_null(r.fwd_s)},
+                          {"fwd_products_f32_ms", ms_or_null(r.fwd_products_s)},
+                          {"fwd_products_16_ms", ms_or_null(r.fwd_products_bf16_s)},
+                          {"fwd_x_f32p", ratio_or_null(r.fwd_s, r.fwd_products_s)},
+                          {"fwd_x_16p", ratio_or_null(r.fwd_s, r.fwd_products_bf16_s)},
+                          {"bwd_ms", ms_or_null(r.bwd_s)},
+                          {"bwd_products_f32_ms", ms_or_null(r.bwd_products_s)},
+                          {"bwd_products_16_ms", ms_or_null(r.bwd_products_bf16_s)},
+                          {"bwd_x_f32p", ratio_or_null(r.bwd_s, r.bwd_products_s)},
+                          {"bwd_x_16p", ratio_or_null(r.bwd_s, r.bwd_products_bf16_s)},
+                          {"peak_mib", r.rss_mib}};
+    if (o.both_modes) {
+      row["products"]["backward_npu_parity"] = parity_used.bwd;
+      row["bwd_npu_parity_ms"] = ms_or_null(r.bwd_parity_s);
+      row["bwd_npu_parity_x_16p"] = ratio_or_null(r.bwd_parity_s, r.bwd_products_bf16_s);
+      row["precise_over_npu_parity"] = ratio_or_null(r.bwd_s, r.bwd_parity_s);
+    }
+    doc["training"].push_back(row);
   }
   std::vector<DecodeCase> decode;
   for (const bench::Profile& p : bench::kProfiles) {
@@ -331,6 +410,20 @@ int run_bench(const BenchOptions& o) {
                 r.close_raw_s * 1e3, bf16_ms, r.products_s * 1e3, ratio(r.close_s, prod).c_str(),
                 c.flop() / r.close_s / 1e9);
     std::fflush(stdout);
+    doc["decode"].push_back({{"preset", c.p.name},
+                             {"B", c.batches},
+                             {"tokens", c.tokens},
+                             {"cache", o.decode_cache},
+                             {"layout", c.th ? "TH" : "BSH"},
+                             {"products", used.fwd},
+                             {"open_ms", ms_or_null(r.open_s)},
+                             {"close_ms", ms_or_null(r.close_s)},
+                             {"close_raw_ms", ms_or_null(r.close_raw_s)},
+                             {"products_16_ms", ms_or_null(r.products_bf16_s)},
+                             {"products_f32_ms", ms_or_null(r.products_s)},
+                             {"open_x_prod", ratio_or_null(r.open_s, prod)},
+                             {"close_x_prod", ratio_or_null(r.close_s, prod)},
+                             {"close_over_open", ratio_or_null(r.close_s, r.open_s)}});
   }
   std::fprintf(stderr, "%60s\r", "");
   std::printf(
@@ -352,6 +445,18 @@ int run_bench(const BenchOptions& o) {
       "  x[B*tok, H] . W[2C, H]^T alone (16p: W pre-packed);\n"
       "  x prod: close / the product alone of the kind the call uses. --decode-cold: caches evicted before\n"
       "  each timed call and product (weights read from memory, as in a server of many layers).\n");
+  if (o.both_modes)
+    std::printf(
+        "par ms, x 16p: the npu_parity backward (--both-modes) and its ratio to the bf16 products alone; "
+        "pr/par: bwd ms (precise) / par ms.\n");
+  if (json_file.is_open()) {
+    json_file << doc.dump(2) << "\n";
+    json_file.close();
+    if (!json_file) {
+      print_error(static_cast<int>(StatusCode::runtime_error), "[kvcomp] cannot write --json file " + o.json);
+      return kExitUsage;
+    }
+  }
   return kExitOk;
 }
 

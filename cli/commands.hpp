@@ -62,6 +62,8 @@ struct BenchOptions {
   std::string decode_cache = "paged";  // paged or ring
   std::string decode_layout = "bsh";   // bsh or th
   bool decode_cold = false;            // evict the caches before each timed decode call and product
+  bool both_modes = false;             // also the npu_parity backward, in the same rounds as the precise one
+  std::string json;                    // also write the results to this file (CPU), unless empty
   Device device;                       // cpu, or a CUDA device (cli/bench_cuda.cpp)
 };
 

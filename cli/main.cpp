@@ -186,8 +186,13 @@ int run(int argc, char** argv) {
   bench->add_option("--threads", bench_o.threads, "OpenMP threads (0: the OpenMP default)")
       ->check(CLI::Range(0, 4096))
       ->capture_default_str();
-  bench->add_flag("--npu-parity", bench_o.npu_parity,
-                  "Time the backward in npu_parity mode (default: precise)");
+  CLI::Option* parity = bench->add_flag("--npu-parity", bench_o.npu_parity,
+                                        "Time the backward in npu_parity mode (default: precise)");
+  bench
+      ->add_flag("--both-modes", bench_o.both_modes,
+                 "Time the backward in both modes, in the same rounds: precise, then npu_parity and "
+                 "precise / npu_parity at the end of each training row")
+      ->excludes(parity);
   bench->add_flag("!--no-training", bench_o.training, "Leave out the T-token forward + backward cases");
   bench->add_option("--decode", bench_o.decode, "Decode cases: batch sizes B (0: none)")
       ->check(CLI::Range(0, 1 << 20))
@@ -206,6 +211,8 @@ int run(int argc, char** argv) {
   bench->add_flag("--decode-cold", bench_o.decode_cold,
                   "Evict the CPU caches before each timed decode call and product (a server's many layers "
                   "leave no weights cached)");
+  bench->add_option("--json", bench_o.json, "Also write the results to this file (the CPU bench)")
+      ->type_name("FILE");
   add_device_option(bench, &bench_o.device);
   bench->footer(kExitFooter);
   CLI::App* info =

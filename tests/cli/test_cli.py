@@ -854,3 +854,114 @@ def test_successful_run_replaces_outputs_and_leaves_no_temporaries(small_case, t
         assert np.load(out / name).dtype == np.float32, name  # a complete .npy file
     assert _snapshot(d) == case_before
     assert _temporaries(out, d) == []
+
+
+def test_bench_json_and_both_modes(tmp_path):
+    """`kvcomp bench --both-modes --json`: the training rows gain the npu_parity backward in the same
+    rounds, and the file holds every row of the table with the same figures; the options' misuses are
+    refused before any timing."""
+    out = tmp_path / "bench.json"
+    r = run_kvcomp("bench", "--preset", "C4Li", "--tokens", "256", "--hidden", "64", "--varlen", "4",
+                   "--decode", "1", "8", "--repeat", "1", "--both-modes", "--json", out)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    assert (doc["threads"], doc["hidden"], doc["io"], doc["mode"], doc["both_modes"]) == (2, 64, "bf16",
+                                                                                         "precise", True)
+    rows = [line.split("|") for line in r.stdout.splitlines() if line.startswith("C4Li")]
+    assert len(rows) == 4 and len(doc["training"]) == 2 and len(doc["decode"]) == 2, r.stdout
+    for row, t in zip(rows[:2], doc["training"]):
+        assert (t["preset"], t["layout"], t["T"]) == ("C4Li", row[0].split()[1][:3].rstrip("/"), 256)
+        assert t["sequences"] == (4 if t["layout"] == "TH" else 1)
+        assert abs(float(row[2].split()[0]) - t["fwd_ms"]) <= 0.051, (row, t)
+        assert abs(float(row[3].split()[0]) - t["bwd_ms"]) <= 0.051, (row, t)
+        par_ms, _, pr_par = row[5].split()
+        assert abs(float(par_ms) - t["bwd_npu_parity_ms"]) <= 0.051, (row, t)
+        assert math.isclose(t["precise_over_npu_parity"], t["bwd_ms"] / t["bwd_npu_parity_ms"], rel_tol=1e-9)
+        assert abs(float(pr_par) - t["precise_over_npu_parity"]) <= 5e-4, (row, t)
+        assert math.isclose(t["fwd_x_f32p"], t["fwd_ms"] / t["fwd_products_f32_ms"], rel_tol=1e-9)
+        assert min(t["fwd_ms"], t["bwd_ms"], t["bwd_npu_parity_ms"], t["fwd_products_f32_ms"]) > 0
+    for row, d in zip(rows[2:], doc["decode"]):
+        assert (d["preset"], d["B"], d["tokens"], d["cache"], d["layout"]) == ("C4Li", int(row[0].split()[1]), 1,
+                                                                               "paged", "BSH")
+        assert abs(float(row[2].split()[1]) - d["close_ms"]) <= 5.1e-4, (row, d)
+        assert math.isclose(d["close_over_open"], d["close_ms"] / d["open_ms"], rel_tol=1e-9)
+    # Without --both-modes the rows carry no npu_parity columns.
+    r = run_kvcomp("bench", "--preset", "C4Li", "--tokens", "256", "--hidden", "64", "--varlen", "1", "--decode",
+                   "0", "--repeat", "1", "--json", out)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    assert not doc["both_modes"] and "bwd_npu_parity_ms" not in doc["training"][0] and doc["decode"] == []
+    r = run_kvcomp("bench", "--both-modes", "--npu-parity", "--tokens", "256")
+    assert r.returncode == 2 and "excludes" in r.stderr, r.stderr
+    r = run_kvcomp("bench", "--tokens", "256", "--json", tmp_path / "missing" / "x.json")
+    assert r.returncode == 2 and "cannot write --json file" in r.stderr and r.stdout == "", r.stderr
+    r = run_kvcomp("bench", "--device", "cuda", "--json", out)
+    assert r.returncode == 1 and "--json is for the CPU bench" in r.stderr, r.stderr
+
+
+def _cpu_targets_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cpu_targets", HERE.parent.parent / "bench" / "cpu_targets.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cpu_targets_judges_figures_against_the_issue_limits():
+    """bench/cpu_targets.py's judgement on made-up results: each figure is the quotient the issue names,
+    compared with its limit in the right direction, and a figure that does not exist is n/a."""
+    ct = _cpu_targets_module()
+    training = {"training": [{"preset": "C4A", "layout": "BSH", "T": 4096, "fwd_x_16p": 1.10,
+                              "bwd_npu_parity_x_16p": 1.2, "precise_over_npu_parity": None}]}
+    got = {t["target"]: (t["figure"], t["limit"], t["verdict"]) for t in ct.training_targets(training)}
+    assert got == {"forward": (1.10, 1.10, "met"), "backward_npu_parity": (1.2, 1.15, "missed"),
+                   "precise_over_npu_parity": (None, 1.8, "n/a")}
+    decode = {"decode": [{"preset": "C4A", "B": 8, "tokens": 1, "cache": "paged", "layout": "BSH",
+                          "open_ms": 2.5, "close_ms": 3.0, "products_16_ms": 2.0},
+                         {"preset": "C4Li", "B": 8, "tokens": 1, "cache": "paged", "layout": "BSH",
+                          "open_ms": 9.0, "close_ms": 9.0, "products_16_ms": 1.0}]}
+    got = {t["target"]: (t["case"], t["figure"], t["verdict"]) for t in ct.decode_targets(decode)}
+    assert got == {"decode_open": ("C4A B=8 tok=1 paged BSH", 1.25, "met"),
+                   "decode_close": ("C4A B=8 tok=1 paged BSH", 1.5, "missed"),
+                   "decode_close_over_open": ("C4A B=8 tok=1 paged BSH", 1.2, "missed")}
+    results = [{"case": "C4A", "layout": "BSH", "T": 4096, "eager_ms": 300.0, "kvcomp_parity_ms": 250.0,
+                "eager_fp32_ms": 1000.0, "kvcomp_ms": 400.0},
+               {"case": "C128A", "layout": "BSH", "T": 4096, "eager_ms": 1.0, "kvcomp_parity_ms": 9.0,
+                "eager_fp32_ms": 1.0, "kvcomp_ms": 9.0}]
+    got = {t["target"]: (t["figure"], t["verdict"]) for t in ct.e2e_targets(results)}
+    assert got == {"e2e_npu_parity": (1.2, "met"), "e2e_precise": (2.5, "met")}
+    results[0]["kvcomp_parity_ms"] = None
+    assert [t["verdict"] for t in ct.e2e_targets(results)] == ["n/a", "met"]
+
+
+def test_cpu_targets_report(tmp_path, capsys):
+    """bench/cpu_targets.py on a small shape: one judged line per target and case, each figure the quotient
+    of the runs' own results, which the report keeps."""
+    ct = _cpu_targets_module()
+    out = tmp_path / "targets.json"
+    targets = ct.main(["--kvcomp", KVCOMP, "--tokens", "256", "--hidden", "64", "--varlen", "4", "--repeat", "1",
+                       "--decode", "1", "8", "--decode-repeat", "1", "--skip-e2e", "--json", str(out)])
+    text = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    runs = report["runs"]
+    assert len(runs["training"]["training"]) == 5  # C4A, C4Li BSH and TH; C128A BSH (its TH needs more tokens)
+    judged_decode = [d for d in runs["decode"]["decode"] if d["preset"] in ("C4A", "C128A")]
+    assert len(judged_decode) == 4
+    assert len(targets) == 3 * 5 + 3 * 4 == len(report["targets"])
+    expected = []
+    for t in runs["training"]["training"]:
+        expected += [t["fwd_ms"] / t["fwd_products_16_ms"], t["bwd_npu_parity_ms"] / t["bwd_products_16_ms"],
+                     t["bwd_ms"] / t["bwd_npu_parity_ms"]]
+    for d in judged_decode:
+        expected += [d["open_ms"] / d["products_16_ms"], d["close_ms"] / d["products_16_ms"],
+                     d["close_ms"] / d["open_ms"]]
+    for t, want in zip(targets, expected):
+        if t["figure"] is None:  # no bf16 matmul on this CPU: no 16-bit baseline
+            assert t["verdict"] == "n/a"
+            continue
+        assert math.isclose(t["figure"], want, rel_tol=1e-9), t
+        assert t["verdict"] == ("met" if t["figure"] <= t["limit"] else "missed"), t
+        assert f"| {t['what']} | {t['case']} | {t['figure']:.3f} | <= {t['limit']} | {t['verdict']} |" in text
+    assert report["counts"] == {v: sum(t["verdict"] == v for t in targets) for v in ("met", "missed", "n/a")}
+    assert report["note"] == "end to end: skipped (--skip-e2e)"

@@ -1,0 +1,215 @@
+#!/usr/bin/env python3
+"""Issue 17's CPU targets, measured and judged with one command.
+
+    python3 bench/cpu_targets.py                 # 2 threads, T = 4096, H = 4096: about 3 minutes
+    python3 bench/cpu_targets.py --json targets.json --threads 2 --repeat 5
+
+It runs, one after the other (never two at once: each times the whole machine):
+
+1. ``kvcomp bench --both-modes --decode 0``: the training cases (C4A, C4Li, C128A; BSH and a TH case),
+   forward and backward in both precision modes, each against its matrix products alone, every ratio
+   from one process;
+2. ``kvcomp bench --no-training``: the decode calls (B = 1, 8, 64, 256 sequences of one token), with
+   no sequence closing a block (open) and with every one closing (close), against their product alone;
+3. ``bench/torch_baselines.py --device cpu --cases C4A``: forward + backward through kvcomp.torch against
+   the eager small-ops autograd, in bf16 and in fp32 (skipped with --skip-e2e, or when torch or
+   kvcomp.torch cannot be imported).
+
+Then it prints one line per target and case: the figure, the limit, and met / missed (n/a where the
+figure does not exist here, e.g. no bf16 matmul on this CPU). The targets are the issue's, set for a CPU
+with AMX-BF16; the report says which bf16 units this CPU has. Timings vary from run to run on a shared
+machine: a figure near its limit can fall either side. The commands it ran are printed, to repeat one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+# (key, what, limit, "max": the figure must not exceed the limit, "min": must reach it)
+TRAINING = [
+    ("forward", "forward / its 16-bit products alone", 1.10, "max"),
+    ("backward_npu_parity", "npu_parity backward / its 16-bit products alone", 1.15, "max"),
+    ("precise_over_npu_parity", "precise backward / npu_parity backward", 1.8, "max"),
+]
+END_TO_END = [
+    ("e2e_npu_parity", "eager bf16 autograd / kvcomp npu_parity (forward + backward)", 1.1, "min"),
+    ("e2e_precise", "eager fp32 autograd / kvcomp precise (forward + backward)", 1.8, "min"),
+]
+DECODE = [
+    ("decode_open", "open call / its 16-bit product alone", 1.3, "max"),
+    ("decode_close", "closing call / its 16-bit product alone", 1.3, "max"),
+    ("decode_close_over_open", "closing call / open call", 1.1, "max"),
+]
+DECODE_PRESETS = ("C4A", "C128A")  # the issue's decode targets; C4Li is measured but not judged
+
+
+def verdict(figure, limit, kind):
+    """met, missed, or n/a when there is no figure."""
+    if figure is None:
+        return "n/a"
+    return "met" if (figure <= limit if kind == "max" else figure >= limit) else "missed"
+
+
+def target(key, what, limit, kind, case, figure):
+    return {"target": key, "what": what, "case": case, "figure": figure, "limit": limit, "kind": kind,
+            "verdict": verdict(figure, limit, kind)}
+
+
+def _quotient(num, den):
+    return num / den if num is not None and den else None
+
+
+def training_targets(doc):
+    """The training targets of one `kvcomp bench --both-modes --json` document."""
+    out = []
+    for row in doc["training"]:
+        case = f"{row['preset']} {row['layout']} T={row['T']}"
+        figures = {"forward": row.get("fwd_x_16p"), "backward_npu_parity": row.get("bwd_npu_parity_x_16p"),
+                   "precise_over_npu_parity": row.get("precise_over_npu_parity")}
+        out += [target(key, what, limit, kind, case, figures[key]) for key, what, limit, kind in TRAINING]
+    return out
+
+
+def decode_targets(doc):
+    """The decode targets of one `kvcomp bench --no-training --json` document."""
+    out = []
+    for row in doc["decode"]:
+        if row["preset"] not in DECODE_PRESETS:
+            continue
+        case = f"{row['preset']} B={row['B']} tok={row['tokens']} {row['cache']} {row['layout']}"
+        figures = {"decode_open": _quotient(row.get("open_ms"), row.get("products_16_ms")),
+                   "decode_close": _quotient(row.get("close_ms"), row.get("products_16_ms")),
+                   "decode_close_over_open": _quotient(row.get("close_ms"), row.get("open_ms"))}
+        out += [target(key, what, limit, kind, case, figures[key]) for key, what, limit, kind in DECODE]
+    return out
+
+
+def e2e_targets(results):
+    """The end-to-end targets of bench/torch_baselines.py's results (its --json "results"), C4A only."""
+    out = []
+    for r in results:
+        if r["case"] != "C4A":
+            continue
+        case = f"C4A {r['layout']} T={r['T']}"
+        figures = {"e2e_npu_parity": _quotient(r.get("eager_ms"), r.get("kvcomp_parity_ms")),
+                   "e2e_precise": _quotient(r.get("eager_fp32_ms"), r.get("kvcomp_ms"))}
+        out += [target(key, what, limit, kind, case, figures[key]) for key, what, limit, kind in END_TO_END]
+    return out
+
+
+def cpu_facts():
+    """The CPU's model name and which of the flags that choose kvcomp's products it has (Linux)."""
+    model, flags = "unknown", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown":
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    wanted = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2")
+    return {"model": model, "flags": [f for f in wanted if f in flags], "cores_online": os.cpu_count()}
+
+
+def default_kvcomp():
+    built = HERE.parent / "build" / "cli" / "kvcomp"
+    if built.is_file():
+        return str(built)
+    return shutil.which("kvcomp") or str(built)
+
+
+def run(cmd, env=None):
+    print("$ " + " ".join(cmd), flush=True)
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.stderr.write(p.stdout + p.stderr)
+        raise SystemExit(f"cpu_targets: {cmd[0]} failed with exit status {p.returncode}")
+    return p.stdout
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--kvcomp", default=default_kvcomp(), help="the kvcomp executable (default: build/cli/kvcomp)")
+    p.add_argument("--threads", type=int, default=2, help="threads of every run (the issue's: 2)")
+    p.add_argument("--tokens", type=int, default=4096, help="T of the training cases (default 4096)")
+    p.add_argument("--hidden", type=int, default=4096, help="H (default 4096)")
+    p.add_argument("--varlen", type=int, default=16, help="sequences of the TH training case (<= 1: none)")
+    p.add_argument("--repeat", type=int, default=3, help="timed rounds of the training cases and e2e runs")
+    p.add_argument("--decode", type=int, nargs="+", default=[1, 8, 64, 256], help="decode batch sizes B")
+    p.add_argument("--decode-repeat", type=int, default=5, help="timed rounds of the decode calls")
+    p.add_argument("--skip-e2e", action="store_true", help="leave out bench/torch_baselines.py")
+    p.add_argument("--json", help="also write the report (and the runs' own results) to this file")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    cpu = cpu_facts()
+    threads = str(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        training_json, decode_json, e2e_json = (os.path.join(tmp, n) for n in ("t.json", "d.json", "e.json"))
+        run([args.kvcomp, "bench", "--both-modes", "--decode", "0", "--threads", threads, "--tokens",
+             str(args.tokens), "--hidden", str(args.hidden), "--varlen", str(args.varlen), "--repeat",
+             str(args.repeat), "--json", training_json])
+        run([args.kvcomp, "bench", "--no-training", "--decode", *map(str, args.decode), "--threads", threads,
+             "--hidden", str(args.hidden), "--repeat", str(args.decode_repeat), "--json", decode_json])
+        with open(training_json) as f:
+            training = json.load(f)
+        with open(decode_json) as f:
+            decode = json.load(f)
+        e2e, e2e_note = None, None
+        if args.skip_e2e:
+            e2e_note = "end to end: skipped (--skip-e2e)"
+        else:
+            env = dict(os.environ, OMP_NUM_THREADS=threads)
+            try:
+                run([sys.executable, str(HERE / "torch_baselines.py"), "--device", "cpu", "--cases", "C4A",
+                     "--tokens", str(args.tokens), "--hidden", str(args.hidden), "--no-compile", "--repeat",
+                     str(args.repeat), "--warmup", "1", "--json", e2e_json], env=env)
+                with open(e2e_json) as f:
+                    e2e = json.load(f)
+            except SystemExit as e:  # torch or kvcomp.torch missing: the other targets still stand
+                e2e_note = f"end to end: not measured ({e})"
+    targets = training_targets(training) + decode_targets(decode) + (e2e_targets(e2e["results"]) if e2e else [])
+    if e2e and not any(t["target"].startswith("e2e") for t in targets):
+        e2e_note = "end to end: bench/torch_baselines.py measured no C4A case"
+
+    print()
+    print(f"CPU: {cpu['model']}; flags {' '.join(cpu['flags']) or 'none of amx/avx512/avx2'}; "
+          f"{args.threads} threads; kvcomp {training['kvcomp']}, {training['isa']} kernels")
+    print(f"products: {training['products']}")
+    if "amx_bf16" not in cpu["flags"]:
+        print("The targets are set for a CPU with AMX-BF16, which this one does not have.")
+    print()
+    print("| target | case | figure | limit | verdict |")
+    print("|---|---|---:|---:|---|")
+    for t in targets:
+        fig = "n/a" if t["figure"] is None else f"{t['figure']:.3f}"
+        sign = "<=" if t["kind"] == "max" else ">="
+        print(f"| {t['what']} | {t['case']} | {fig} | {sign} {t['limit']} | {t['verdict']} |")
+    counts = {v: sum(t["verdict"] == v for t in targets) for v in ("met", "missed", "n/a")}
+    print()
+    print(f"{counts['met']} met, {counts['missed']} missed, {counts['n/a']} n/a")
+    if e2e_note:
+        print(e2e_note)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cpu": cpu, "args": vars(args), "targets": targets, "counts": counts, "note": e2e_note,
+                       "runs": {"training": training, "decode": decode, "e2e": e2e}}, f, indent=2)
+    return targets
+
+
+if __name__ == "__main__":
+    main()
