@@ -352,9 +352,11 @@ int run_bench(const BenchOptions& o) {
                 ratio(r.fwd_s, r.fwd_products_s).c_str(), ratio(r.fwd_s, r.fwd_products_bf16_s).c_str(),
                 r.bwd_s * 1e3, flop_bwd / r.bwd_s / 1e9, ratio(r.bwd_s, r.bwd_products_s).c_str(),
                 ratio(r.bwd_s, r.bwd_products_bf16_s).c_str(), r.rss_mib);
-    if (o.both_modes)
-      std::printf(" | %8.1f %6s %6s", r.bwd_parity_s * 1e3,
-                  ratio(r.bwd_parity_s, r.bwd_products_bf16_s).c_str(), ratio(r.bwd_s, r.bwd_parity_s).c_str());
+    if (o.both_modes) {
+      const std::string par_x = ratio(r.bwd_parity_s, r.bwd_products_bf16_s);
+      const std::string pr_par = ratio(r.bwd_s, r.bwd_parity_s);
+      std::printf(" | %8.1f %6s %6s", r.bwd_parity_s * 1e3, par_x.c_str(), pr_par.c_str());
+    }
     std::printf("\n");
     std::fflush(stdout);
     nlohmann::json row = {{"preset", c.p.name},
