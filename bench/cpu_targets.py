@@ -107,18 +107,20 @@ def e2e_targets(results):
 
 
 def cpu_facts():
-    """The CPU's model name and which of the flags that choose kvcomp's products it has (Linux)."""
-    model, flags = "unknown", set()
+    """The CPU's model name (with its family and model numbers: a VM's name may be just the vendor's) and
+    which of the flags that choose kvcomp's products it has (Linux)."""
+    first = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key.strip() == "model name" and model == "unknown":
-                    model = value.strip()
-                elif key.strip() == "flags" and not flags:
-                    flags = set(value.split())
+                first.setdefault(key.strip(), value.strip())
     except OSError:
         pass
+    model = first.get("model name", "unknown")
+    if "cpu family" in first and "model" in first:
+        model += f" (family {first['cpu family']}, model {first['model']})"
+    flags = set(first.get("flags", "").split())
     wanted = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2")
     return {"model": model, "flags": [f for f in wanted if f in flags], "cores_online": os.cpu_count()}
 
