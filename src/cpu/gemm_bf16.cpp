@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <oneapi/dnnl/dnnl.hpp>
 #include <stdexcept>
 #include <string>
@@ -443,11 +444,15 @@ std::int64_t bf16_packed_short_rows(const Bf16Shape& s, std::int64_t n) {
   const auto key = std::make_tuple(s.N, s.K, s.lda, s.ldc, s.ldb, s.b_transposed, m);
   auto it = probed.find(key);
   if (it == probed.end()) {
+    bool ok = false;
     try {
-      it = probed.emplace(key, short_packed_tile_matches(s, m)).first;
-    } catch (const std::exception&) {  // dnnl::error, std::bad_alloc: 64-row tiles, probed again next time
+      ok = short_packed_tile_matches(s, m);
+    } catch (const std::bad_alloc&) {  // 64-row tiles this time, probed again next time
       return 0;
+    } catch (const std::exception&) {  // dnnl::error, or only oneDNN's reference kernel: for good
+      ok = false;
     }
+    it = probed.emplace(key, ok).first;
   }
   return it->second ? m : 0;
 }
