@@ -5,6 +5,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
+#include <memory>
 #include <vector>
 
 #include "harness.hpp"
@@ -30,41 +32,48 @@ bool bitwise_equal(const std::vector<T>& a, const std::vector<T>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
 }
 
+// A run made by `make` (a unique_ptr to a ForwardRun or BackwardRun) on one thread, then one on each
+// of `counts` threads, each held against the first by `same(first, again, threads)`. Returns the first.
+template <typename Make, typename Same>
+auto bits_across_threads(std::initializer_list<int> counts, Make make, Same same) {
+  auto base = make();
+  Options o;
+  o.num_threads = 1;
+  EXPECT_TRUE(base->run(o).ok());
+  for (int threads : counts) {
+    auto again = make();
+    o.num_threads = threads;
+    EXPECT_TRUE(again->run(o).ok());
+    same(*base, *again, threads);
+  }
+  return base;
+}
+
 // Backward runs of the case on 2, 3, 4 and 7 threads give the bits of the run on one thread, whose d_x
 // goes to `d_x`.
 void expect_backward_bits_across_threads(const RandomCase<double>& rc, const BackwardData& bd,
                                          std::vector<std::uint16_t>& d_x) {
-  BackwardRun base(rc.problem, rc.in, bd, DType::bf16);
-  Options o;
-  o.num_threads = 1;
-  ASSERT_TRUE(base.run(o).ok());
-  for (int threads : {2, 3, 4, 7}) {
-    BackwardRun again(rc.problem, rc.in, bd, DType::bf16);
-    o.num_threads = threads;
-    ASSERT_TRUE(again.run(o).ok());
-    EXPECT_TRUE(bitwise_equal(base.d_x.half, again.d_x.half)) << threads << " threads";
-    EXPECT_TRUE(bitwise_equal(base.d_wkv.half, again.d_wkv.half)) << threads << " threads";
-    EXPECT_TRUE(bitwise_equal(base.d_wgate.half, again.d_wgate.half)) << threads << " threads";
-    EXPECT_TRUE(bitwise_equal(base.d_ape.f32, again.d_ape.f32)) << threads << " threads";
-  }
-  d_x = base.d_x.half;
+  const auto base = bits_across_threads(
+      {2, 3, 4, 7}, [&] { return std::make_unique<BackwardRun>(rc.problem, rc.in, bd, DType::bf16); },
+      [](const BackwardRun& a, const BackwardRun& b, int threads) {
+        EXPECT_TRUE(bitwise_equal(a.d_x.half, b.d_x.half)) << threads << " threads";
+        EXPECT_TRUE(bitwise_equal(a.d_wkv.half, b.d_wkv.half)) << threads << " threads";
+        EXPECT_TRUE(bitwise_equal(a.d_wgate.half, b.d_wgate.half)) << threads << " threads";
+        EXPECT_TRUE(bitwise_equal(a.d_ape.f32, b.d_ape.f32)) << threads << " threads";
+      });
+  d_x = base->d_x.half;
 }
 
 // Forward runs of the case on 2, 3 and 5 threads give the bits of the run on one thread.
 void expect_forward_bits_across_threads(const RandomCase<double>& rc, DType io) {
-  ForwardRun base(rc.problem, rc.in, io);
-  Options o;
-  o.num_threads = 1;
-  ASSERT_TRUE(base.run(o).ok());
-  for (int threads : {2, 3, 5}) {
-    ForwardRun again(rc.problem, rc.in, io);
-    o.num_threads = threads;
-    ASSERT_TRUE(again.run(o).ok());
-    EXPECT_TRUE(bitwise_equal(base.cmp_kv.half, again.cmp_kv.half)) << threads << " threads";
-    EXPECT_TRUE(bitwise_equal(base.softmax_score.f32, again.softmax_score.f32)) << threads << " threads";
-    EXPECT_TRUE(bitwise_equal(base.kv.f32, again.kv.f32)) << threads << " threads";
-    EXPECT_TRUE(bitwise_equal(base.cache.f32, again.cache.f32)) << threads << " threads";
-  }
+  bits_across_threads(
+      {2, 3, 5}, [&] { return std::make_unique<ForwardRun>(rc.problem, rc.in, io); },
+      [](const ForwardRun& a, const ForwardRun& b, int threads) {
+        EXPECT_TRUE(bitwise_equal(a.cmp_kv.half, b.cmp_kv.half)) << threads << " threads";
+        EXPECT_TRUE(bitwise_equal(a.softmax_score.f32, b.softmax_score.f32)) << threads << " threads";
+        EXPECT_TRUE(bitwise_equal(a.kv.f32, b.kv.f32)) << threads << " threads";
+        EXPECT_TRUE(bitwise_equal(a.cache.f32, b.cache.f32)) << threads << " threads";
+      });
 }
 
 TEST(Determinism, BackwardBitwiseAcrossThreadCounts) {
