@@ -10,7 +10,8 @@ It runs, one after the other (never two at once: each times the whole machine):
    forward and backward in both precision modes, each against its matrix products alone, every ratio
    from one process;
 2. ``kvcomp bench --no-training``: the decode calls (B = 1, 8, 64, 256 sequences of one token), with
-   no sequence closing a block (open) and with every one closing (close), against their product alone;
+   no sequence closing a block (open) and with every one closing (close), against their product alone
+   (with --more-decode also calls of 4 tokens, on a ring cache, and in the TH layout);
 3. ``bench/torch_baselines.py --device cpu --cases C4A``: forward + backward through kvcomp.torch against
    the eager small-ops autograd, in bf16 and in fp32 (skipped with --skip-e2e, or when torch or
    kvcomp.torch cannot be imported).
@@ -50,6 +51,9 @@ DECODE = [
     ("decode_close_over_open", "closing call / open call", 1.1, "max"),
 ]
 DECODE_PRESETS = ("C4A", "C128A")  # the issue's decode targets; C4Li is measured but not judged
+# --more-decode: the issue's other decode shapes, one `kvcomp bench --no-training` run each (4-token
+# calls have no open call: at r = 4 every one closes a block).
+MORE_DECODE = (["--decode-tokens", "4"], ["--decode-cache", "ring"], ["--decode-layout", "th"])
 
 
 def verdict(figure, limit, kind):
@@ -151,6 +155,8 @@ def parse_args(argv=None):
     p.add_argument("--repeat", type=int, default=3, help="timed rounds of the training cases and e2e runs")
     p.add_argument("--decode", type=int, nargs="+", default=[1, 8, 64, 256], help="decode batch sizes B")
     p.add_argument("--decode-repeat", type=int, default=5, help="timed rounds of the decode calls")
+    p.add_argument("--more-decode", action="store_true",
+                   help="also decode calls of 4 tokens, on a ring cache, and in the TH layout")
     p.add_argument("--skip-e2e", action="store_true", help="leave out bench/torch_baselines.py")
     p.add_argument("--json", help="also write the report (and the runs' own results) to this file")
     return p.parse_args(argv)
@@ -165,12 +171,18 @@ def main(argv=None):
         run([args.kvcomp, "bench", "--both-modes", "--decode", "0", "--threads", threads, "--tokens",
              str(args.tokens), "--hidden", str(args.hidden), "--varlen", str(args.varlen), "--repeat",
              str(args.repeat), "--json", training_json])
-        run([args.kvcomp, "bench", "--no-training", "--decode", *map(str, args.decode), "--threads", threads,
-             "--hidden", str(args.hidden), "--repeat", str(args.decode_repeat), "--json", decode_json])
+        decode = None
+        for variant in [[]] + (list(MORE_DECODE) if args.more_decode else []):
+            run([args.kvcomp, "bench", "--no-training", "--decode", *map(str, args.decode), *variant, "--threads",
+                 threads, "--hidden", str(args.hidden), "--repeat", str(args.decode_repeat), "--json", decode_json])
+            with open(decode_json) as f:
+                doc = json.load(f)
+            if decode is None:
+                decode = doc
+            else:
+                decode["decode"] += doc["decode"]
         with open(training_json) as f:
             training = json.load(f)
-        with open(decode_json) as f:
-            decode = json.load(f)
         e2e, e2e_note = None, None
         if args.skip_e2e:
             e2e_note = "end to end: skipped (--skip-e2e)"

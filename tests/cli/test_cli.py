@@ -936,29 +936,40 @@ def test_cpu_targets_judges_figures_against_the_issue_limits():
 
 
 def test_cpu_targets_report(tmp_path, capsys):
-    """bench/cpu_targets.py on a small shape: one judged line per target and case, each figure the quotient
-    of the runs' own results, which the report keeps."""
+    """bench/cpu_targets.py on a small shape, with the other decode shapes: one judged line per target and
+    case, each figure the quotient of the runs' own results, which the report keeps (n/a where a 4-token
+    call has no open call)."""
     ct = _cpu_targets_module()
     out = tmp_path / "targets.json"
     targets = ct.main(["--kvcomp", KVCOMP, "--tokens", "256", "--hidden", "64", "--varlen", "4", "--repeat", "1",
-                       "--decode", "1", "8", "--decode-repeat", "1", "--skip-e2e", "--json", str(out)])
+                       "--decode", "1", "8", "--decode-repeat", "1", "--more-decode", "--skip-e2e", "--json",
+                       str(out)])
     text = capsys.readouterr().out
     report = json.loads(out.read_text())
     runs = report["runs"]
     assert len(runs["training"]["training"]) == 5  # C4A, C4Li BSH and TH; C128A BSH (its TH needs more tokens)
     judged_decode = [d for d in runs["decode"]["decode"] if d["preset"] in ("C4A", "C128A")]
-    assert len(judged_decode) == 4
-    assert len(targets) == 3 * 5 + 3 * 4 == len(report["targets"])
+    shapes = [(d["tokens"], d["cache"], d["layout"]) for d in judged_decode]
+    assert shapes == [(1, "paged", "BSH")] * 4 + [(4, "paged", "BSH")] * 4 + [(1, "ring", "BSH")] * 4 + \
+        [(1, "paged", "TH")] * 4
+    assert len(targets) == 3 * 5 + 3 * 16 == len(report["targets"])
+
+    def quotient(a, b):
+        return None if a is None or b is None else a / b
+
     expected = []
     for t in runs["training"]["training"]:
-        expected += [t["fwd_ms"] / t["fwd_products_16_ms"], t["bwd_npu_parity_ms"] / t["bwd_products_16_ms"],
-                     t["bwd_ms"] / t["bwd_npu_parity_ms"]]
+        expected += [quotient(t["fwd_ms"], t["fwd_products_16_ms"]),
+                     quotient(t["bwd_npu_parity_ms"], t["bwd_products_16_ms"]),
+                     quotient(t["bwd_ms"], t["bwd_npu_parity_ms"])]
     for d in judged_decode:
-        expected += [d["open_ms"] / d["products_16_ms"], d["close_ms"] / d["products_16_ms"],
-                     d["close_ms"] / d["open_ms"]]
+        expected += [quotient(d["open_ms"], d["products_16_ms"]), quotient(d["close_ms"], d["products_16_ms"]),
+                     quotient(d["close_ms"], d["open_ms"])]
+    for d in judged_decode:  # C4A's 4-token calls all close a block: no open call
+        assert (d["open_ms"] is None) == (d["tokens"] == 4 and d["preset"] == "C4A"), d
     for t, want in zip(targets, expected):
-        if t["figure"] is None:  # no bf16 matmul on this CPU: no 16-bit baseline
-            assert t["verdict"] == "n/a"
+        if t["figure"] is None:  # no open call, or no bf16 matmul on this CPU (no 16-bit baseline)
+            assert want is None and t["verdict"] == "n/a", t
             continue
         assert math.isclose(t["figure"], want, rel_tol=1e-9), t
         assert t["verdict"] == ("met" if t["figure"] <= t["limit"] else "missed"), t
