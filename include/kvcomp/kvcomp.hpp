@@ -247,7 +247,7 @@ KVCOMP_API const char* kernel_isa();
 // KVCOMP_ISA=scalar or KVCOMP_ROW_STABLE=0 turn it off); ", order probed per
 // shape" where oneDNN runs its AVX-512 sgemm, whose order depends on the shape
 // (a shape of unknown order keeps sgemm's padding rows). "kvcomp avx512_bf16":
-// on AVX512-BF16 (no packed layout) the bf16 forward projections of 1-8 token
+// on AVX512-BF16 without AMX (oneDNN reads B in place) the bf16 forward projections of 1-8 token
 // rows, of calls of 128 rows or more (the weights' panels written per call;
 // not under KVCOMP_DECODE_PANELS=0) and of calls with prepared weights run on
 // kvcomp's own kernel, which gives each row the bits of oneDNN's jit gemm.

@@ -200,7 +200,11 @@ bool bf16_backward_products() {
 }
 
 bool bf16_rows_kernel_available() {
-  static const bool yes = bf16_product_kernel() && !packed_forced() && cpu_has_avx512_bf16() &&
+  // The kernel sums in the order of oneDNN's jit gemm, which reads B where it lies. Where oneDNN packs B
+  // instead (AMX, whose CPUs have AVX512-BF16 too; KVCOMP_BF16_PACKED=1) its kernels sum otherwise and
+  // the rows kernel does not apply (bf16_short_rows_stable): then it is neither used nor named.
+  static const bool yes = bf16_product_kernel() && !packed_forced() &&
+                          kernel_name().find("amx") == std::string::npos && cpu_has_avx512_bf16() &&
                           active_isa() >= Isa::avx512 && std::getenv("KVCOMP_BF16_ROWS_KERNEL") == nullptr;
   return yes;
 }

@@ -187,7 +187,8 @@ bool bf16_short_rows_stable(const Bf16Shape& s, std::int64_t M);
 // With `panels` (the call has the AVX-512 decode panels of its weights), any M: the kernel's order is
 // the same for every row count, and on panels it runs at oneDNN's packed brgemm rate (docs/performance.md).
 bool bf16_rows_kernel_applicable(const Bf16Shape& s, std::int64_t M, bool panels = false);
-// Whether this process may use that kernel at all (product_kernels() then names it).
+// Whether this process may use that kernel at all (product_kernels() then names it): not where oneDNN
+// packs B (AMX), since the kernel has the bits of the in-place jit gemm only.
 bool bf16_rows_kernel_available();
 
 // The M-row product on that kernel, B's columns cut into tiles of kBf16TileCols (and more than 8 rows
