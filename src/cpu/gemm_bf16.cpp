@@ -12,6 +12,7 @@
 #include <mutex>
 #include <new>
 #include <oneapi/dnnl/dnnl.hpp>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -405,8 +406,9 @@ std::uint16_t next_probe_value(std::uint32_t& state) {
 }
 
 // Whether the m-row tile primitive of this shape gives rows [0, m) and [64 - m, 64) of a 64-row tile
-// the bits the 64-row primitive gives them, on random operands packed as the products read them.
-bool short_packed_tile_matches(const Bf16Shape& s, std::int64_t m) {
+// the bits the 64-row primitive gives them, on random operands packed as the products read them; none
+// where a reorder or product could not run (oneDNN reports those, e.g. out of memory, as failures).
+std::optional<bool> short_packed_tile_matches(const Bf16Shape& s, std::int64_t m) {
   const TilePrimitive* tall = tile_primitive(s, false);
   if (tall->in_place) return false;
   const TilePrimitive* low = tile_primitive(s, false, m);
@@ -418,16 +420,16 @@ bool short_packed_tile_matches(const Bf16Shape& s, std::int64_t m) {
   for (auto& v : b) v = next_probe_value(state);
   std::vector<unsigned char> packed(tall->pd.weights_desc().get_size());
   const Bf16PackJob job{b.data(), packed.data()};
-  if (!bf16_pack_b(s, &job, 1, 1)) return false;
+  if (!bf16_pack_b(s, &job, 1, 1)) return std::nullopt;
   const std::size_t c_size = static_cast<std::size_t>(kBf16TileRows * s.ldc);
   std::vector<float> want(c_size, 0.0f), got(c_size, 0.0f);
   const auto tall_tile = [&](std::int64_t) { return Tile{tall, a.data(), packed.data(), want.data()}; };
-  if (!run_tiles(1, tall, tall, 1, tall_tile)) return false;
+  if (!run_tiles(1, tall, tall, 1, tall_tile)) return std::nullopt;
   for (const std::int64_t r0 : {std::int64_t{0}, kBf16TileRows - m}) {
     const bool ran = run_tiles(1, low, low, 1, [&](std::int64_t) {
       return Tile{low, a.data() + r0 * s.lda, packed.data(), got.data() + r0 * s.ldc};
     });
-    if (!ran) return false;
+    if (!ran) return std::nullopt;
     for (std::int64_t i = r0; i < r0 + m; ++i)
       if (std::memcmp(got.data() + i * s.ldc, want.data() + i * s.ldc, static_cast<std::size_t>(s.N) * 4))
         return false;
@@ -448,15 +450,15 @@ std::int64_t bf16_packed_short_rows(const Bf16Shape& s, std::int64_t n) {
   const auto key = std::make_tuple(s.N, s.K, s.lda, s.ldc, s.ldb, s.b_transposed, m);
   auto it = probed.find(key);
   if (it == probed.end()) {
-    bool ok = false;
+    std::optional<bool> ok;
     try {
       ok = short_packed_tile_matches(s, m);
-    } catch (const std::bad_alloc&) {  // 64-row tiles this time, probed again next time
-      return 0;
+    } catch (const std::bad_alloc&) {  // ok stays empty
     } catch (const std::exception&) {  // dnnl::error, or only oneDNN's reference kernel: for good
       ok = false;
     }
-    it = probed.emplace(key, ok).first;
+    if (!ok) return 0;  // it could not run (out of memory): 64-row tiles this time, probed again next time
+    it = probed.emplace(key, *ok).first;
   }
   return it->second ? m : 0;
 }
