@@ -280,7 +280,9 @@ bool bf16_pack_b(const Bf16Shape& s, const Bf16PackJob* jobs, int count, int num
   const int threads = std::max(num_threads, 1);
   const PackSlicing slicing =
       count < threads ? pack_slicing(s, t->pd.weights_desc(), (threads + count - 1) / count) : PackSlicing{};
-  const std::int64_t per_job = slicing.width > 0 ? (s.N + slicing.width - 1) / slicing.width : 1;
+  // Unsliced: one slice of all N columns, in the primitive's own layout.
+  const std::int64_t width = slicing.width > 0 ? slicing.width : std::max<std::int64_t>(s.N, 1);
+  const std::int64_t per_job = (s.N + width - 1) / width;
   const std::int64_t units = count * per_job;
   std::atomic<bool> ok{true};
 #pragma omp parallel num_threads(static_cast<int>(std::min<std::int64_t>(threads, units)))
@@ -290,17 +292,14 @@ bool bf16_pack_b(const Bf16Shape& s, const Bf16PackJob* jobs, int count, int num
       dnnl::stream st(engine());
       for (std::int64_t u = omp_get_thread_num(); u < units; u += omp_get_num_threads()) {
         const Bf16PackJob& job = jobs[u / per_job];
-        if (slicing.width == 0) {
-          dnnl::memory src(plain_b(s, s.N), engine(), const_cast<std::uint16_t*>(job.b));
-          dnnl::memory dst(t->pd.weights_desc(), engine(), job.packed);
-          dnnl::reorder(src, dst).execute(st, src, dst);
-          continue;
-        }
-        const std::int64_t c0 = (u % per_job) * slicing.width, cols = std::min(slicing.width, s.N - c0);
-        const std::uint16_t* b = job.b + (s.b_transposed ? c0 * s.ldb : c0);
-        const std::size_t at = c0 == 0 ? 0 : dnnl::memory::desc({s.K, c0}, dt::bf16, slicing.tag).get_size();
-        dnnl::memory src(plain_b(s, cols), engine(), const_cast<std::uint16_t*>(b));
-        dnnl::memory dst(dnnl::memory::desc({s.K, cols}, dt::bf16, slicing.tag), engine(),
+        const std::int64_t c0 = (u % per_job) * width, cols = std::min(width, s.N - c0);
+        const auto sliced = [&](std::int64_t n) {
+          return dnnl::memory::desc({s.K, n}, dt::bf16, slicing.tag);
+        };
+        const std::size_t at = c0 == 0 ? 0 : sliced(c0).get_size();
+        dnnl::memory src(plain_b(s, cols), engine(),
+                         const_cast<std::uint16_t*>(job.b + (s.b_transposed ? c0 * s.ldb : c0)));
+        dnnl::memory dst(slicing.width > 0 ? sliced(cols) : t->pd.weights_desc(), engine(),
                          static_cast<unsigned char*>(job.packed) + at);
         dnnl::reorder(src, dst).execute(st, src, dst);
       }
