@@ -17,9 +17,12 @@ It runs, one after the other (never two at once: each times the whole machine):
    kvcomp.torch cannot be imported).
 
 Then it prints one line per target and case: the figure, the limit, and met / missed (n/a where the
-figure does not exist here, e.g. no bf16 matmul on this CPU). The targets are the issue's, set for a CPU
-with AMX-BF16; the report says which bf16 units this CPU has. Timings vary from run to run on a shared
-machine: a figure near its limit can fall either side. The commands it ran are printed, to repeat one.
+figure does not exist here, e.g. no bf16 matmul on this CPU), and where each timed call's time goes: the
+two kvcomp runs pass ``--phases``, so every call also runs with kvcomp's phase clock on, and the report
+gives its products' share and its largest other phases (docs/performance.md names the phases). The
+targets are the issue's, set for a CPU with AMX-BF16; the report says which bf16 units this CPU has.
+Timings vary from run to run on a shared machine: a figure near its limit can fall either side. The
+commands it ran are printed, to repeat one.
 """
 
 from __future__ import annotations
@@ -110,6 +113,44 @@ def e2e_targets(results):
     return out
 
 
+def _shares(p):
+    """Phase shares of one --phases profile: (products %, [(phase, %) of the others, largest first])."""
+    call = p["call_ms"]
+    if not call:
+        return None, []
+    products = sum(ph["ms"] for ph in p["phases"] if ph["phase"].endswith("products"))
+    others = [(ph["phase"], 100 * ph["ms"] / call) for ph in p["phases"] if not ph["phase"].endswith("products")]
+    others.append(("outside", 100 * p["outside_ms"] / call))
+    return 100 * products / call, sorted(others, key=lambda o: -o[1])
+
+
+def phase_rows(training, decode):
+    """Where each timed call's time goes, from the runs' --phases profiles: one row per call, the judged
+    decode presets only (C4A, C128A). Runs without profiles give none."""
+    rows = []
+
+    def add(call, case, p):
+        products, others = _shares(p)
+        rows.append({"call": call, "case": case, "call_ms": p["call_ms"], "products_pct": products,
+                     "others": others})
+
+    for t in (training or {}).get("training", []):
+        case = f"{t['preset']} {t['layout']} T={t['T']}"
+        phases = t.get("phases", {})
+        for key, call in (("forward", "forward"), ("backward_npu_parity", "backward npu_parity"),
+                          ("backward", "backward precise")):
+            if key in phases:
+                add(call, case, phases[key])
+    for d in (decode or {}).get("decode", []):
+        if d["preset"] not in DECODE_PRESETS:
+            continue
+        case = f"{d['preset']} B={d['B']} tok={d['tokens']} {d['cache']} {d['layout']}"
+        for key in ("open", "close"):
+            if key in d.get("phases", {}):
+                add(f"decode {key}", case, d["phases"][key])
+    return rows
+
+
 def cpu_facts():
     """The CPU's model name (with its family and model numbers: a VM's name may be just the vendor's) and
     which of the flags that choose kvcomp's products it has (Linux)."""
@@ -168,13 +209,14 @@ def main(argv=None):
     threads = str(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         training_json, decode_json, e2e_json = (os.path.join(tmp, n) for n in ("t.json", "d.json", "e.json"))
-        run([args.kvcomp, "bench", "--both-modes", "--decode", "0", "--threads", threads, "--tokens",
+        run([args.kvcomp, "bench", "--both-modes", "--phases", "--decode", "0", "--threads", threads, "--tokens",
              str(args.tokens), "--hidden", str(args.hidden), "--varlen", str(args.varlen), "--repeat",
              str(args.repeat), "--json", training_json])
         decode = None
         for variant in [[]] + (list(MORE_DECODE) if args.more_decode else []):
-            run([args.kvcomp, "bench", "--no-training", "--decode", *map(str, args.decode), *variant, "--threads",
-                 threads, "--hidden", str(args.hidden), "--repeat", str(args.decode_repeat), "--json", decode_json])
+            run([args.kvcomp, "bench", "--no-training", "--phases", "--decode", *map(str, args.decode), *variant,
+                 "--threads", threads, "--hidden", str(args.hidden), "--repeat", str(args.decode_repeat), "--json",
+                 decode_json])
             with open(decode_json) as f:
                 doc = json.load(f)
             if decode is None:
@@ -218,10 +260,23 @@ def main(argv=None):
     print(f"{counts['met']} met, {counts['missed']} missed, {counts['n/a']} n/a")
     if e2e_note:
         print(e2e_note)
+    phases = phase_rows(training, decode)
+    if phases:
+        print()
+        print("Where the time goes (kvcomp's phase clock, --phases: the mean of each call's extra runs; % of "
+              "its wall time):")
+        print()
+        print("| call | case | ms | products % | other phases, largest first (%) |")
+        print("|---|---|---:|---:|---|")
+        for r in phases:
+            others = ", ".join(f"{name} {pct:.1f}" for name, pct in r["others"][:3])
+            products = "n/a" if r["products_pct"] is None else f"{r['products_pct']:.1f}"
+            print(f"| {r['call']} | {r['case']} | {r['call_ms']:.3f} | {products} | {others} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cpu": cpu, "args": vars(args), "targets": targets, "counts": counts, "note": e2e_note,
-                       "runs": {"training": training, "decode": decode, "e2e": e2e}}, f, indent=2)
+                       "phases": phases, "runs": {"training": training, "decode": decode, "e2e": e2e}}, f,
+                      indent=2)
     return targets
 
 

@@ -115,12 +115,89 @@ Timed run_of(const std::unique_ptr<Products>& p) {
   return [q = p.get()] { q->run(); };
 }
 
+// --phases: where a call's time goes. The call runs `calls` times more with the phase clock on
+// (kvcomp::set_phase_timing): its mean wall time and each of its operator's phases' mean time per call
+// (kvcomp::phase_times), in the order a call runs them. The wall time no phase holds (validation,
+// planning, the workspace) is the call's "outside".
+struct PhaseProfile {
+  std::string label;  // the call, e.g. "forward", "backward precise", "decode close"
+  bool forward = true;
+  int calls = 0;
+  double call_s = 0;
+  std::vector<std::pair<std::string, double>> phases;  // name, mean seconds per call
+  double outside_s() const {
+    double in = 0;
+    for (const auto& ph : phases) in += ph.second;
+    return call_s - in;
+  }
+};
+
+PhaseProfile profile_phases(std::string label, const Timed& f, bool forward, int calls,
+                            const Timed& before = {}) {
+  PhaseProfile p{std::move(label), forward, calls, 0, {}};
+  struct Clock_on {  // off again however the calls end
+    Clock_on() {
+      reset_phase_times();
+      set_phase_timing(true);
+    }
+    ~Clock_on() { set_phase_timing(false); }
+  };
+  {
+    const Clock_on on;
+    for (int i = 0; i < calls; ++i) {
+      if (before) before();  // --decode-cold: the caches evicted, untimed
+      const auto t0 = Clock::now();
+      f();
+      p.call_s += seconds_since(t0) / calls;
+    }
+  }
+  const std::string op = forward ? "forward" : "backward";
+  for (const PhaseTime& t : phase_times())
+    if (op == t.op)
+      p.phases.emplace_back(t.phase, t.calls > 0 ? t.seconds / static_cast<double>(t.calls) : 0.0);
+  return p;
+}
+
+nlohmann::json phases_json(const PhaseProfile& p) {
+  nlohmann::json phases = nlohmann::json::array();
+  for (const auto& [name, sec] : p.phases) phases.push_back({{"phase", name}, {"ms", sec * 1e3}});
+  return {{"calls", p.calls}, {"call_ms", p.call_s * 1e3}, {"outside_ms", p.outside_s() * 1e3},
+          {"phases", phases}};
+}
+
+// The phase tables (--phases): one per operator, a row per profiled call, each phase as a percentage
+// of the call's mean wall time.
+void print_phase_tables(const std::vector<PhaseProfile>& profiles) {
+  for (const bool forward : {true, false}) {
+    const PhaseProfile* first = nullptr;
+    for (const PhaseProfile& p : profiles)
+      if (p.forward == forward && !first) first = &p;
+    if (!first) continue;
+    std::printf("\n%s phases, %% of the call (--phases: the mean of %d calls with the phase clock on)\n",
+                forward ? "forward" : "backward", first->calls);
+    auto width = [](const std::string& name) {
+      return static_cast<int>(std::max<std::size_t>(7, name.size()));
+    };
+    std::printf("%-36s %9s |", "call", "call ms");
+    for (const auto& ph : first->phases) std::printf(" %*s", width(ph.first), ph.first.c_str());
+    std::printf(" %7s\n", "outside");
+    for (const PhaseProfile& p : profiles) {
+      if (p.forward != forward) continue;
+      std::printf("%-36s %9.3f |", p.label.c_str(), p.call_s * 1e3);
+      for (const auto& ph : p.phases)
+        std::printf(" %*.1f", width(ph.first), 100.0 * ph.second / p.call_s);
+      std::printf(" %7.1f\n", 100.0 * p.outside_s() / p.call_s);
+    }
+  }
+}
+
 struct Result {
   double fwd_s = 0, fwd_products_s = 0, fwd_products_bf16_s = 0, bwd_s = 0, bwd_products_s = 0,
          bwd_products_bf16_s = 0;
   double bwd_parity_s = 0;  // --both-modes: the npu_parity backward (bwd_s is then the precise one)
   long rss_mib = 0;
   double compressed_fraction = 0;  // tokens inside compressed blocks / T
+  std::vector<PhaseProfile> phases;  // --phases: forward, backward[, backward npu_parity]
 };
 
 Result run_case(const Case& c, const BenchOptions& o) {
@@ -159,11 +236,18 @@ Result run_case(const Case& c, const BenchOptions& o) {
   res.bwd_products_s = t[4];
   res.bwd_products_bf16_s = t[5];
   res.bwd_parity_s = t[6];
+  if (o.phases) {
+    res.phases.push_back(profile_phases("forward", fwd, true, o.repeat));
+    res.phases.push_back(
+        profile_phases(o.npu_parity ? "backward npu_parity" : "backward precise", bwd, false, o.repeat));
+    if (bwd_parity) res.phases.push_back(profile_phases("backward npu_parity", bwd_parity, false, o.repeat));
+  }
   return res;
 }
 
 struct DecodeResult {
   double open_s = 0, close_s = 0, close_raw_s = 0, products_s = 0, products_bf16_s = 0;
+  std::vector<PhaseProfile> phases;  // --phases: the open call (where there is one), the closing one
 };
 
 // A decode call where no sequence closes a block, and one where every
@@ -211,7 +295,13 @@ DecodeResult run_decode(DecodeCase c, const BenchOptions& o) {
   const auto p16 = products_or_none(true, c);
   const std::vector<double> t =
       best_in_rounds(o.repeat, {open, close, raw, run_of(p32), run_of(p16)}, o.decode_cold, !o.decode_cold);
-  return {t[0], t[1], t[2], t[3], t[4]};
+  DecodeResult r{t[0], t[1], t[2], t[3], t[4], {}};
+  if (o.phases) {
+    const Timed before = o.decode_cold ? Timed{evict_caches} : Timed{};
+    if (open) r.phases.push_back(profile_phases("open", open, true, o.repeat, before));
+    r.phases.push_back(profile_phases("close", close, true, o.repeat, before));
+  }
+  return r;
 }
 
 // "1.234" or "n/a" when the denominator was not measured.
@@ -280,9 +370,10 @@ int run_bench(const BenchOptions& o) {
     }
   }
   if (o.device.type == DeviceType::cuda) {
-    if (!o.json.empty() || o.both_modes) {
+    if (!o.json.empty() || o.both_modes || o.phases) {
       print_error(static_cast<int>(StatusCode::invalid_param),
-                  std::string("[kvcomp] ") + (o.both_modes ? "--both-modes" : "--json") +
+                  std::string("[kvcomp] ") +
+                      (o.both_modes ? "--both-modes" : o.phases ? "--phases" : "--json") +
                       " is for the CPU bench, not with --device cuda");
       return kExitStatus;
     }
@@ -318,6 +409,7 @@ int run_bench(const BenchOptions& o) {
                         {"io", o.io},
                         {"mode", o.npu_parity ? "npu_parity" : "precise"},
                         {"both_modes", o.both_modes},
+                        {"phases", o.phases},
                         {"isa", kernel_isa()},
                         {"products", products_text(io)},
                         {"repeat", o.repeat},
@@ -337,6 +429,7 @@ int run_bench(const BenchOptions& o) {
     std::printf("\n");
   }
   const Used parity_used = products_used(true, io);
+  std::vector<PhaseProfile> profiles;  // --phases, every case's, for the tables at the end
   for (const Case& c : cases) {
     std::fprintf(stderr, "[%d/%zu] %s T=%lld %s ...\r", ++i, cases.size(), c.p.name,
                  static_cast<long long>(c.T), c.batches > 1 ? "TH" : "BSH");
@@ -382,6 +475,16 @@ int run_bench(const BenchOptions& o) {
       row["bwd_npu_parity_x_16p"] = ratio_or_null(r.bwd_parity_s, r.bwd_products_bf16_s);
       row["precise_over_npu_parity"] = ratio_or_null(r.bwd_s, r.bwd_parity_s);
     }
+    if (o.phases) {
+      row["phases"] = nlohmann::json::object();
+      for (PhaseProfile p : r.phases) {
+        row["phases"][p.label == "forward" ? "forward" : p.label == "backward npu_parity" && o.both_modes
+                                                               ? "backward_npu_parity"
+                                                               : "backward"] = phases_json(p);
+        p.label = std::string(c.p.name) + " " + layout + " T=" + std::to_string(c.T) + " " + p.label;
+        profiles.push_back(p);
+      }
+    }
     doc["training"].push_back(row);
   }
   std::vector<DecodeCase> decode;
@@ -426,7 +529,17 @@ int run_bench(const BenchOptions& o) {
                              {"open_x_prod", ratio_or_null(r.open_s, prod)},
                              {"close_x_prod", ratio_or_null(r.close_s, prod)},
                              {"close_over_open", ratio_or_null(r.close_s, r.open_s)}});
+    if (o.phases) {
+      doc["decode"].back()["phases"] = nlohmann::json::object();
+      for (PhaseProfile p : r.phases) {
+        doc["decode"].back()["phases"][p.label] = phases_json(p);
+        p.label = std::string(c.p.name) + " decode B=" + std::to_string(c.batches) + " tok=" +
+                  std::to_string(c.tokens) + " " + p.label;
+        profiles.push_back(p);
+      }
+    }
   }
+  if (o.phases) print_phase_tables(profiles);
   std::fprintf(stderr, "%60s\r", "");
   std::printf(
       "products: what the forward / backward products of a bf16 call run on (bf16 units, hi+lo bf16 parts, "
@@ -447,6 +560,13 @@ int run_bench(const BenchOptions& o) {
       "  x[B*tok, H] . W[2C, H]^T alone (16p: W pre-packed);\n"
       "  x prod: close / the product alone of the kind the call uses. --decode-cold: caches evicted before\n"
       "  each timed call and product (weights read from memory, as in a server of many layers).\n");
+  if (o.phases)
+    std::printf(
+        "phases (--phases): each call run --repeat times more with the phase clock on, after its timed "
+        "rounds;\n"
+        "  call ms: their mean wall time; each phase's mean as %% of it (docs/performance.md names the "
+        "phases);\n"
+        "  outside: the rest (validation, planning, the workspace).\n");
   if (o.both_modes)
     std::printf(
         "par ms, x 16p: the npu_parity backward (--both-modes) and its ratio to the bf16 products alone; "

@@ -63,6 +63,7 @@ struct BenchOptions {
   std::string decode_layout = "bsh";   // bsh or th
   bool decode_cold = false;            // evict the caches before each timed decode call and product
   bool both_modes = false;             // also the npu_parity backward, in the same rounds as the precise one
+  bool phases = false;                 // where each call's time goes (kvcomp::phase_times; CPU)
   std::string json;                    // also write the results to this file (CPU), unless empty
   Device device;                       // cpu, or a CUDA device (cli/bench_cuda.cpp)
 };

@@ -211,6 +211,9 @@ int run(int argc, char** argv) {
   bench->add_flag("--decode-cold", bench_o.decode_cold,
                   "Evict the CPU caches before each timed decode call and product (a server's many layers "
                   "leave no weights cached)");
+  bench->add_flag("--phases", bench_o.phases,
+                  "After each case's timed rounds, run its calls --repeat times more with the phase clock on "
+                  "and show where their time goes (kvcomp::phase_times; the CPU bench)");
   bench->add_option("--json", bench_o.json, "Also write the results to this file (the CPU bench)")
       ->type_name("FILE");
   add_device_option(bench, &bench_o.device);

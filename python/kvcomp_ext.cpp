@@ -332,6 +332,25 @@ NB_MODULE(_C, m) {
         "Whether this build of the core has the CUDA backend (configured with KVCOMP_CUDA).");
   m.def("cuda_device_count", &kvcomp::cuda_device_count,
         "CUDA devices the core sees (0 without the backend, a driver or a GPU).");
+  m.def("set_phase_timing", &kvcomp::set_phase_timing, nb::arg("on"),
+        "Turns the CPU backend's phase clock on or off (kvcomp::set_phase_timing; off by default).");
+  m.def(
+      "phase_times",
+      [] {
+        nb::list out;
+        for (const kvcomp::PhaseTime& p : kvcomp::phase_times()) {
+          nb::dict d;
+          d["op"] = p.op;
+          d["phase"] = p.phase;
+          d["seconds"] = p.seconds;
+          d["calls"] = p.calls;
+          out.append(d);
+        }
+        return out;
+      },
+      "The phase clock's totals since the last reset (kvcomp::phase_times): a list of dicts op, phase, "
+      "seconds, calls, in the order a call runs the phases.");
+  m.def("reset_phase_times", &kvcomp::reset_phase_times, "Zeroes the phase clock's totals.");
   m.def("release_cached_workspace", &kvcomp::release_cached_workspace,
         "Frees the calling thread's workspace kept between calls.");
 }

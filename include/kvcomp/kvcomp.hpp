@@ -33,6 +33,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "kvcomp/export.hpp"
 
@@ -254,6 +255,22 @@ KVCOMP_API const char* kernel_isa();
 // KVCOMP_PRODUCTS=f32, or KVCOMP_ISA below avx512, keeps every product fp32.
 // Chosen once per process.
 KVCOMP_API const char* product_kernels();
+
+// Where the CPU backend's calls spend their time, phase by phase (diagnostics; `kvcomp bench
+// --phases`). Off by default. While on, each CPU forward and backward adds the wall time of each of
+// its phases to process-wide totals: a few clock reads per chunk of rows, and no result changes.
+// Calls on several threads at once add to the same totals. CUDA calls are not timed. Time outside
+// the phases (validation, planning, the workspace) is not counted.
+struct PhaseTime {
+  const char* op;       // "forward" or "backward"
+  const char* phase;    // "weights", "x rows", "products", "blocks", ... (docs/performance.md)
+  double seconds;       // summed over the timed calls since the last reset
+  std::int64_t calls;   // the timed calls of op since the last reset
+};
+KVCOMP_API void set_phase_timing(bool on);
+// Every phase of both operators, in the order a call runs them, also those no call entered (0 s).
+KVCOMP_API std::vector<PhaseTime> phase_times();
+KVCOMP_API void reset_phase_times();
 
 // Whether this build has the CUDA backend (configured with KVCOMP_CUDA), and
 // how many CUDA devices it sees (0 without the backend, a driver or a GPU).

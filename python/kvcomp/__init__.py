@@ -31,6 +31,9 @@ product_kernels = _C.product_kernels
 has_cuda_backend = _C.has_cuda_backend
 cuda_device_count = _C.cuda_device_count
 release_cached_workspace = _C.release_cached_workspace
+set_phase_timing = _C.set_phase_timing
+phase_times = _C.phase_times
+reset_phase_times = _C.reset_phase_times
 
 __all__ = [
     "KvcompError",
@@ -41,8 +44,11 @@ __all__ = [
     "get_default_options",
     "has_cuda_backend",
     "kernel_isa",
+    "phase_times",
     "prepare_weights",
     "product_kernels",
     "release_cached_workspace",
+    "reset_phase_times",
     "set_default_options",
+    "set_phase_timing",
 ]

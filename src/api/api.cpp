@@ -5,10 +5,12 @@
 #include <limits>
 #include <memory>
 #include <new>
+#include <string_view>
 
 #include "cpu/backend.hpp"
 #include "cpu/gemm_bf16.hpp"
 #include "cpu/isa.hpp"
+#include "cpu/phase_clock.hpp"
 #include "cpu/prepared.hpp"
 #include "kvcomp/kvcomp.hpp"
 #include "kvcomp/version.hpp"
@@ -398,6 +400,21 @@ void release_cached_workspace() {
 const char* kernel_isa() { return detail::isa_name(detail::active_isa()); }
 
 const char* product_kernels() { return detail::product_kernels(); }
+
+void set_phase_timing(bool on) { detail::set_phase_timing_on(on); }
+
+std::vector<PhaseTime> phase_times() {
+  std::vector<PhaseTime> out;
+  for (int i = 0; i < static_cast<int>(detail::Phase::count); ++i) {
+    const auto p = static_cast<detail::Phase>(i);
+    const detail::PhaseName n = detail::phase_name(p);
+    const int op = std::string_view(n.op) == "forward" ? 0 : 1;
+    out.push_back({n.op, n.phase, static_cast<double>(detail::phase_ns(p)) * 1e-9, detail::phase_calls(op)});
+  }
+  return out;
+}
+
+void reset_phase_times() { detail::reset_phase_ns(); }
 
 Status compressor_forward(const ForwardArgs& args, const Options& options) {
   return run_one_call<ForwardPlan>(args, options);

@@ -10,6 +10,7 @@
 #include "cpu/convert.hpp"
 #include "cpu/gemm.hpp"
 #include "cpu/gemm_bf16.hpp"
+#include "cpu/phase_clock.hpp"
 #include "kvcomp/half.hpp"
 
 namespace kvcomp::detail {
@@ -204,12 +205,14 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
   const Dims& d = plan.dims;
   const std::int64_t H = d.H, C = d.C;
   const std::size_t io_size = dtype_size(d.io);
+  PhaseLaps laps(1);
 
   if (plan.total_blocks == 0) {  // spec 2.7: four all-zero outputs, whatever the memory held
     zero_bytes(args.d_x.data, args.d_x.numel(), io_size);
     zero_bytes(args.d_wkv.data, args.d_wkv.numel(), dtype_size(args.d_wkv.dtype));
     zero_bytes(args.d_wgate.data, args.d_wgate.numel(), dtype_size(args.d_wgate.dtype));
     zero_bytes(args.d_ape.data, args.d_ape.numel(), sizeof(float));
+    laps.lap(Phase::bwd_outputs);
     return Status::success();
   }
 
@@ -228,6 +231,7 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
     rows_to_f32(args.wgate.data, d.io, C, H, buf.wcat + C * buf.ld_h, buf.ld_h, num_threads);
   }
   std::fill(buf.dape, buf.dape + d.r * C, 0.0);
+  laps.lap(Phase::bwd_weights);
 
   const BackwardBlockInputs in{args.d_cmp_kv.data, static_cast<const float*>(args.softmax_score.data),
                                static_cast<const float*>(args.kv.data)};
@@ -242,6 +246,7 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
     auto* dx_rows = static_cast<unsigned char*>(args.d_x.data) + static_cast<std::size_t>(a * H) * io_size;
     if (std::none_of(mark.begin(), mark.begin() + n, [](char m) { return m != 0; })) {
       zero_bytes(dx_rows, n * H, io_size);
+      laps.lap(Phase::bwd_outputs);
       continue;
     }
     // Zeroed up to the padded row count of the d_x product (its padding rows stay zero).
@@ -249,6 +254,7 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
     for (std::int64_t i = 0; i < n_pad; ++i)
       std::fill(buf.dnew + i * buf.ld_c2, buf.dnew + i * buf.ld_c2 + 2 * C, 0.0f);
     backward_blocks(plan, in, a, b, buf.dnew, buf.ld_c2, buf.dape, parity, num_threads);
+    laps.lap(Phase::bwd_blocks);
 
     // x rows without gradient are zeroed so that 0 * Inf/NaN in them cannot
     // leak into d_wkv / d_wgate (the NPU kernel does the same).
@@ -278,21 +284,25 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
       const Bf16PackJob job{xb, buf.packed_x};
       if (!bf16_pack_b(dw, &job, 1, num_threads))
         return {StatusCode::runtime_error, "[kvcomp] oneDNN reorder of x failed"};
+      laps.lap(Phase::bwd_x);
       // hi (and lo in precise mode) of d_new, row-major and transposed.
       const int parts = parity ? 1 : 2;
       split_to_bf16(buf.dnew, buf.ld_c2, n_pad, 2 * C, buf.dn, buf.ld_dn, buf.dnt, buf.c2p, buf.ld_t,
                     parts == 2, num_threads);
+      laps.lap(Phase::bwd_split);
       // d_x rows = sum over parts of [dn_kv | dn_score] . [wkv ; wgate], hi then lo.
       const Bf16Shape dx = buf.dx_shape(d);
       const void* b_w = buf.packed_w ? buf.packed_w : buf.wcat16;
       for (int part = 0; part < parts; ++part)
         if (!gemm_bf16(dx, n_pad, buf.dn[part], {{{b_w, buf.dxf}}}, part > 0, num_threads))
           return {StatusCode::runtime_error, "[kvcomp] oneDNN bf16 matmul for d_x failed"};
+      laps.lap(Phase::bwd_dx);
       // [d_wkv ; d_wgate] += dnt . x, hi then lo.
       for (int part = 0; part < parts; ++part)
         if (!gemm_bf16(dw, buf.c2p, buf.dnt[part], {{{buf.packed_x ? buf.packed_x : xb, buf.dwcat}}},
                        dw_written || part > 0, num_threads))
           return {StatusCode::runtime_error, "[kvcomp] oneDNN bf16 matmul for d_wkv/d_wgate failed"};
+      laps.lap(Phase::bwd_dw);
     } else {
 #pragma omp parallel for num_threads(num_threads) schedule(static)
       for (std::int64_t i = 0; i < n; ++i) {
@@ -302,16 +312,20 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
         else
           std::fill(dst, dst + H, 0.0f);
       }
+      laps.lap(Phase::bwd_x);
       // d_x rows = [d_new_kv | d_new_score] . [wkv ; wgate]
       if (!gemm_f32(n_pad, H, 2 * C, {buf.dnew, buf.ld_c2, false}, {buf.wcat, buf.ld_h, false}, buf.dxf,
                     buf.ld_h, false, num_threads))
         return {StatusCode::runtime_error, "[kvcomp] oneDNN matmul for d_x failed"};
+      laps.lap(Phase::bwd_dx);
       // [d_wkv ; d_wgate] += [d_new_kv | d_new_score]^T . x
       transpose_blocks<4>(buf.dnew, n, 2 * C, buf.ld_c2, buf.dnew_t, buf.ld_r, num_threads,
                           transpose_4x4_f32);
+      laps.lap(Phase::bwd_split);
       if (!gemm_f32(2 * C, H, n, {buf.dnew_t, buf.ld_r, false}, {buf.xf, buf.ld_h, false}, buf.dwcat,
                     buf.ld_h, dw_written, num_threads))
         return {StatusCode::runtime_error, "[kvcomp] oneDNN matmul for d_wkv/d_wgate failed"};
+      laps.lap(Phase::bwd_dw);
     }
     dw_written = true;
 
@@ -323,6 +337,7 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
       else
         zero_bytes(dst, H, io_size);
     }
+    laps.lap(Phase::bwd_outputs);
   }
   auto* dwkv = static_cast<unsigned char*>(args.d_wkv.data);
   auto* dwgate = static_cast<unsigned char*>(args.d_wgate.data);
@@ -339,6 +354,7 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
     dape[i] = static_cast<float>(buf.dape[i]);
     if (parts) dape[d.r * C + i] = static_cast<float>(buf.dape[i] - static_cast<double>(dape[i]));
   }
+  laps.lap(Phase::bwd_outputs);
   return Status::success();
 }
 

@@ -7,6 +7,7 @@
 #include "cpu/convert.hpp"
 #include "cpu/gemm.hpp"
 #include "cpu/gemm_bf16.hpp"
+#include "cpu/phase_clock.hpp"
 #include "cpu/prepared.hpp"
 
 namespace kvcomp::detail {
@@ -109,6 +110,7 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
                    std::size_t workspace_size) {
   const Dims& d = plan.dims;
   if (d.T == 0) return Status::success();  // empty input: nothing computed, cache untouched
+  PhaseLaps laps(0);
   const std::int64_t H = d.H, C = d.C;
   ForwardBuffers buf(d, num_threads, WorkspaceLayout::align(workspace));
   if (!buf.ok || buf.size > workspace_size)
@@ -156,6 +158,7 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
     rows_to_f32(args.wkv.data, d.io, C, H, buf.wcat, buf.ld_h, num_threads);
     rows_to_f32(args.wgate.data, d.io, C, H, buf.wcat + C * buf.ld_h, buf.ld_h, num_threads);
   }
+  laps.lap(Phase::fwd_weights);
 
   ForwardBlockIo io;
   io.cache = static_cast<float*>(args.state_cache.data);
@@ -180,6 +183,7 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
       std::memmove(buf.proj, buf.proj + (first - prev_first) * buf.ld_c2,
                    static_cast<std::size_t>((a - first) * buf.ld_c2) * sizeof(float));
     prev_first = first;
+    laps.lap(Phase::fwd_rows);
     float* rows = buf.proj + (a - first) * buf.ld_c2;
     const auto* x_rows =
         static_cast<const unsigned char*>(args.x.data) + static_cast<std::size_t>(a * H) * io_size;
@@ -206,6 +210,7 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
         const std::int64_t n_pad = short_rows ? n_short : n_packed > 0 ? n_packed : bf16_padded_rows(n);
         std::memcpy(buf.xb, x_rows, static_cast<std::size_t>(n * H) * sizeof(std::uint16_t));
         std::memset(buf.xb + n * H, 0, static_cast<std::size_t>((n_pad - n) * H) * sizeof(std::uint16_t));
+        laps.lap(Phase::fwd_x);
         ok = short_rows ? gemm_bf16_rows(shape, n_pad, buf.xb, both, false, num_threads)
                         : gemm_bf16(shape, n_pad, buf.xb, both, false, num_threads);
       } else {  // KVCOMP_ROW_STABLE=0: the chunk's rows as they are, column tiles (decode-bound serving)
@@ -215,6 +220,7 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
       if (!ok) return {StatusCode::runtime_error, "[kvcomp] oneDNN bf16 matmul for the projections failed"};
     } else {
       rows_to_f32(x_rows, d.io, n, H, buf.xf, buf.ld_h, num_threads);
+      laps.lap(Phase::fwd_x);
       const std::optional<SgemmOrder> panel_order =
           prepared.kv_panels ? gemm_row_panels_order(n, C, H, fp16) : std::nullopt;
       if (panel_order) {  // decode panels
@@ -240,12 +246,16 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
         if (!ok) return {StatusCode::runtime_error, "[kvcomp] oneDNN matmul for the projections failed"};
       }
     }
+    laps.lap(Phase::fwd_products);
     add_ape(plan, static_cast<const float*>(args.ape.data), buf.proj, first, buf.ld_c2, a, b, num_threads);
+    laps.lap(Phase::fwd_ape);
     io.proj = buf.proj;
     io.proj_first = first;
     forward_blocks(plan, io, a, b, num_threads);
+    laps.lap(Phase::fwd_blocks);
   }
   zero_padding_rows(args, plan);  // last: rows disjoint from the blocks' rows
+  laps.lap(Phase::fwd_rows);
   return Status::success();
 }
 

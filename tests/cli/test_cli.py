@@ -899,6 +899,53 @@ def test_bench_json_and_both_modes(tmp_path):
     assert r.returncode == 1 and "--json is for the CPU bench" in r.stderr, r.stderr
 
 
+def test_bench_phases(tmp_path):
+    """`kvcomp bench --phases`: after the timed rounds each call runs --repeat times more with the phase
+    clock on; the file holds each call's mean wall time and its operator's phases in call order, which sum
+    with "outside" to that wall time, and the tables print each phase as that share of it."""
+    out = tmp_path / "bench.json"
+    r = run_kvcomp("bench", "--preset", "C4A", "--tokens", "600", "--hidden", "64", "--varlen", "1",
+                   "--decode", "2", "--repeat", "2", "--both-modes", "--phases", "--json", out)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    assert doc["phases"] is True
+    fwd_names = ["weights", "x rows", "products", "ape", "blocks", "rows"]
+    bwd_names = ["weights", "blocks", "x rows", "d_new", "d_x products", "d_w products", "outputs"]
+    (t,) = doc["training"]
+    (d,) = doc["decode"]
+    calls = {"forward": (t["phases"]["forward"], fwd_names),
+             "backward precise": (t["phases"]["backward"], bwd_names),
+             "backward npu_parity": (t["phases"]["backward_npu_parity"], bwd_names),
+             "decode B=2 tok=1 open": (d["phases"]["open"], fwd_names),
+             "decode B=2 tok=1 close": (d["phases"]["close"], fwd_names)}
+    lines = r.stdout.splitlines()
+    for label, (p, names) in calls.items():
+        assert p["calls"] == 2 and [ph["phase"] for ph in p["phases"]] == names, (label, p)
+        inside = sum(ph["ms"] for ph in p["phases"])
+        assert min(ph["ms"] for ph in p["phases"]) >= 0 and 0 < inside <= p["call_ms"], (label, p)
+        assert math.isclose(inside + p["outside_ms"], p["call_ms"], rel_tol=1e-9, abs_tol=1e-9), (label, p)
+        assert all(ph["ms"] > 0 for ph in p["phases"] if ph["phase"].endswith("products")), (label, p)
+        want = "C4A " + (label if label.startswith("decode") else "BSH T=600 " + label)
+        (row,) = [line for line in lines if " ".join(line.split("|")[0].split()[:-1]) == want]
+        assert abs(float(row.split("|")[0].split()[-1]) - p["call_ms"]) <= 5.1e-4, (row, p)
+        cells = row.split("|")[1].split()
+        assert len(cells) == len(names) + 1, row
+        for cell, ph in zip(cells, p["phases"]):
+            assert abs(float(cell) - 100 * ph["ms"] / p["call_ms"]) <= 0.051, (row, p)
+        assert abs(float(cells[-1]) - 100 * p["outside_ms"] / p["call_ms"]) <= 0.051, (row, p)
+    assert any(line.startswith("forward phases") for line in lines), r.stdout
+    assert any(line.startswith("backward phases") for line in lines), r.stdout
+    # Without --phases: no phase tables, no phases in the file.
+    r = run_kvcomp("bench", "--preset", "C4A", "--tokens", "600", "--hidden", "64", "--varlen", "1",
+                   "--decode", "2", "--repeat", "1", "--json", out)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    assert "phases" not in doc["training"][0] and "phases" not in doc["decode"][0], doc
+    assert "phases," not in r.stdout
+    r = run_kvcomp("bench", "--device", "cuda", "--phases")
+    assert r.returncode == 1 and "--phases is for the CPU bench" in r.stderr, r.stderr
+
+
 def _cpu_targets_module():
     import importlib.util
 
@@ -976,3 +1023,21 @@ def test_cpu_targets_report(tmp_path, capsys):
         assert f"| {t['what']} | {t['case']} | {t['figure']:.3f} | <= {t['limit']} | {t['verdict']} |" in text
     assert report["counts"] == {v: sum(t["verdict"] == v for t in targets) for v in ("met", "missed", "n/a")}
     assert report["note"] == "end to end: skipped (--skip-e2e)"
+    # Where the time goes: a row per training call (forward, both backwards) and per judged decode call,
+    # each the shares of that call's own --phases profile.
+    phases = report["phases"]
+    assert len(phases) == 3 * 5 + sum(2 if d["open_ms"] is not None else 1 for d in judged_decode), phases
+    profiles = []
+    for t in runs["training"]["training"]:
+        profiles += [t["phases"]["forward"], t["phases"]["backward_npu_parity"], t["phases"]["backward"]]
+    for d in judged_decode:
+        profiles += [d["phases"][k] for k in ("open", "close") if k in d["phases"]]
+    for row, p in zip(phases, profiles):
+        assert row["call_ms"] == p["call_ms"], (row, p)
+        products = sum(ph["ms"] for ph in p["phases"] if ph["phase"] in ("products", "d_x products", "d_w products"))
+        assert math.isclose(row["products_pct"], 100 * products / p["call_ms"], rel_tol=1e-9), (row, p)
+        shares = dict(row["others"])
+        assert math.isclose(sum(shares.values()) + row["products_pct"], 100, rel_tol=1e-9), row
+        assert [v for _, v in row["others"]] == sorted(shares.values(), reverse=True), row
+        top = ", ".join(f"{n} {v:.1f}" for n, v in row["others"][:3])
+        assert f"| {row['call']} | {row['case']} | {row['call_ms']:.3f} | {row['products_pct']:.1f} | {top} |" in text

@@ -327,3 +327,36 @@ def test_fp32_weight_grads_rejections():
     with pytest.raises(kvcomp.KvcompError) as e:
         kvcomp.compressor_grad(case.x, case.wkv, case.wgate, cmp_kv, s, k, 4, profile="aclnn", float64_d_ape=True)
     assert e.value.code == 161002 and "d_ape (rank 3) must have rank 2" in e.value.message
+
+
+def test_phase_clock_times_calls_without_changing_them():
+    """kvcomp.set_phase_timing / phase_times: off by default; while on, each operator's calls are counted
+    and its phases (in call order) sum to at most the calls' wall time; the results keep their bits."""
+    import time
+
+    case = make_case(lens=[300, 200], th=True, r=4, coff=2, start_pos=[5, 2], dtype="bf16", seed=3)
+
+    def forward():
+        return kvcomp.compressor_forward(case.x, case.wkv, case.wgate, case.state_cache.clone(), case.ape,
+                                         case.cmp_ratio, grad_enabled=True, **case.kwargs())
+
+    kvcomp.reset_phase_times()
+    plain = forward()
+    assert all(p["calls"] == 0 and p["seconds"] == 0 for p in kvcomp.phase_times())
+    kvcomp.set_phase_timing(True)
+    try:
+        t0 = time.perf_counter()
+        timed = forward()
+        wall = time.perf_counter() - t0
+    finally:
+        kvcomp.set_phase_timing(False)
+    fwd = [p for p in kvcomp.phase_times() if p["op"] == "forward"]
+    assert [p["phase"] for p in fwd] == ["weights", "x rows", "products", "ape", "blocks", "rows"]
+    assert all(p["calls"] == 1 and p["seconds"] >= 0 for p in fwd)
+    assert 0 < sum(p["seconds"] for p in fwd) <= wall
+    assert all(p["calls"] == 0 for p in kvcomp.phase_times() if p["op"] == "backward")
+    for a, b in zip(plain, timed):
+        assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
+                           b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
+    kvcomp.reset_phase_times()
+    assert all(p["calls"] == 0 and p["seconds"] == 0 for p in kvcomp.phase_times())
