@@ -1,8 +1,10 @@
 #include "cpu/block_phases.hpp"
 
+#include <emmintrin.h>
 #include <omp.h>
 
 #include <algorithm>
+#include <cstdint>
 
 #include "cpu/simd/kernels.hpp"
 
@@ -28,6 +30,17 @@ struct LocalRange {
 };
 LocalRange local_range(const BatchSpan& s, std::int64_t a, std::int64_t b) {
   return {std::max(a, s.base) - s.base, std::min(b, s.base + s.len) - s.base};
+}
+
+// dst[0, n) = src[0, n), with streaming stores (SSE2, x86-64's baseline) from dst's first 16-byte
+// boundary on. A cache slot written by a forward is read by a later call, not by this one (its blocks read
+// this call's rows from the projections), so through the caches each line would first be read, then evict
+// the block's inputs. The same values either way; forward_blocks fences once per thread.
+void stream_floats(float* dst, const float* src, std::int64_t n) {
+  std::int64_t i = 0;
+  for (; i < n && (reinterpret_cast<std::uintptr_t>(dst + i) & 15) != 0; ++i) dst[i] = src[i];
+  for (; i + 4 <= n; i += 4) _mm_stream_ps(dst + i, _mm_loadu_ps(src + i));
+  for (; i < n; ++i) dst[i] = src[i];
 }
 
 float* cache_slot(const ForwardBlockIo& io, std::int64_t batch, std::int64_t pos, bool for_write) {
@@ -151,11 +164,10 @@ void forward_blocks(const BlockPlan& plan, const ForwardBlockIo& io, std::int64_
         float* slot = cache_slot(io, batch, pos, true);
         if (!slot) continue;
         const float* src = io.proj + (s.base + tok - io.proj_first) * io.proj_ld;
-        for (std::int64_t c = 0; c < coff; ++c)
-          for (std::int64_t i = col_lo; i < col_hi; ++i) {
-            slot[c * D + i] = src[c * D + i];
-            slot[C + c * D + i] = src[C + c * D + i];
-          }
+        for (std::int64_t c = 0; c < coff; ++c) {
+          stream_floats(slot + c * D + col_lo, src + c * D + col_lo, col_hi - col_lo);
+          stream_floats(slot + C + c * D + col_lo, src + C + c * D + col_lo, col_hi - col_lo);
+        }
       }
       // 2. Blocks whose last cur row lies in the chunk.
       if (s.nblocks == 0) continue;
@@ -195,6 +207,10 @@ void forward_blocks(const BlockPlan& plan, const ForwardBlockIo& io, std::int64_
         }
       }
     }
+    // The streamed cache writes ordered before the region ends, for the other threads and later calls.
+    // (A block of this call that reads a slot written in it, through aliased block ids, runs on this
+    // thread, and a thread's loads see its own streamed stores.)
+    _mm_sfence();
   }
 }
 
