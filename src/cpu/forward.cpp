@@ -208,11 +208,17 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
             n_short < kBf16TileRows * std::max(num_threads, 1) && bf16_short_rows_stable(shape, n_short);
         const std::int64_t n_packed = short_rows ? 0 : bf16_packed_short_rows(shape, n);
         const std::int64_t n_pad = short_rows ? n_short : n_packed > 0 ? n_packed : bf16_padded_rows(n);
-        std::memcpy(buf.xb, x_rows, static_cast<std::size_t>(n * H) * sizeof(std::uint16_t));
-        std::memset(buf.xb + n * H, 0, static_cast<std::size_t>((n_pad - n) * H) * sizeof(std::uint16_t));
+        // x where it lies when the chunk is whole tiles (a training call's chunks), else copied with zero
+        // rows after it: the same rows through the same tiles either way.
+        const auto* xa = static_cast<const std::uint16_t*>(static_cast<const void*>(x_rows));
+        if (n_pad != n) {
+          std::memcpy(buf.xb, x_rows, static_cast<std::size_t>(n * H) * sizeof(std::uint16_t));
+          std::memset(buf.xb + n * H, 0, static_cast<std::size_t>((n_pad - n) * H) * sizeof(std::uint16_t));
+          xa = buf.xb;
+        }
         laps.lap(Phase::fwd_x);
-        ok = short_rows ? gemm_bf16_rows(shape, n_pad, buf.xb, both, false, num_threads)
-                        : gemm_bf16(shape, n_pad, buf.xb, both, false, num_threads);
+        ok = short_rows ? gemm_bf16_rows(shape, n_pad, xa, both, false, num_threads)
+                        : gemm_bf16(shape, n_pad, xa, both, false, num_threads);
       } else {  // KVCOMP_ROW_STABLE=0: the chunk's rows as they are, column tiles (decode-bound serving)
         const auto* xs = static_cast<const std::uint16_t*>(static_cast<const void*>(x_rows));
         ok = gemm_bf16_rows(shape, n, xs, both, false, num_threads);
