@@ -12,14 +12,15 @@ It runs, one after the other (never two at once: each times the whole machine):
 2. ``kvcomp bench --no-training``: the decode calls (B = 1, 8, 64, 256 sequences of one token), with
    no sequence closing a block (open) and with every one closing (close), against their product alone
    (with --more-decode also calls of 4 tokens, on a ring cache, and in the TH layout);
-3. ``bench/torch_baselines.py --device cpu --cases C4A``: forward + backward through kvcomp.torch against
-   the eager small-ops autograd, in bf16 and in fp32 (skipped with --skip-e2e, or when torch or
-   kvcomp.torch cannot be imported).
+3. ``bench/torch_baselines.py --device cpu --cases C4A --phases``: forward + backward through
+   kvcomp.torch against the eager small-ops autograd, in bf16 and in fp32 (skipped with --skip-e2e, or
+   when torch or kvcomp.torch cannot be imported).
 
 Then it prints one line per target and case: the figure, the limit, and met / missed (n/a where the
 figure does not exist here, e.g. no bf16 matmul on this CPU), and where each timed call's time goes: the
-two kvcomp runs pass ``--phases``, so every call also runs with kvcomp's phase clock on, and the report
-gives its products' share and its largest other phases (docs/performance.md names the phases). The
+three runs pass ``--phases``, so every call (and end-to-end step) also runs with kvcomp's phase clock on,
+and the report gives its products' share and its largest other phases (docs/performance.md names the
+phases; an end-to-end step's "outside" is autograd, allocations and the Python layer). The
 targets are the issue's, set for a CPU with AMX-BF16; the report says which bf16 units this CPU has.
 Timings vary from run to run on a shared machine: a figure near its limit can fall either side. The
 commands it ran are printed, to repeat one.
@@ -124,9 +125,11 @@ def _shares(p):
     return 100 * products / call, sorted(others, key=lambda o: -o[1])
 
 
-def phase_rows(training, decode):
+def phase_rows(training, decode, e2e=None):
     """Where each timed call's time goes, from the runs' --phases profiles: one row per call, the judged
-    decode presets only (C4A, C128A). Runs without profiles give none."""
+    decode presets only (C4A, C128A), and per end-to-end step through kvcomp.torch (its operators' phases
+    named "forward ..." / "backward ...", outside: autograd, allocations, Python). Runs without profiles
+    give none."""
     rows = []
 
     def add(call, case, p):
@@ -148,6 +151,13 @@ def phase_rows(training, decode):
         for key in ("open", "close"):
             if key in d.get("phases", {}):
                 add(f"decode {key}", case, d["phases"][key])
+    for r in (e2e or {}).get("results", []):
+        for key, call in (("kvcomp_parity_phases", "e2e step npu_parity"), ("kvcomp_phases", "e2e step precise")):
+            p = r.get(key)
+            if p:
+                add(call, f"{r['case']} {r['layout']} T={r['T']}",
+                    {"call_ms": p["step_ms"], "outside_ms": p["outside_ms"],
+                     "phases": [{"phase": f"{ph['op']} {ph['phase']}", "ms": ph["ms"]} for ph in p["phases"]]})
     return rows
 
 
@@ -233,7 +243,7 @@ def main(argv=None):
             try:
                 run([sys.executable, str(HERE / "torch_baselines.py"), "--device", "cpu", "--cases", "C4A",
                      "--tokens", str(args.tokens), "--hidden", str(args.hidden), "--no-compile", "--repeat",
-                     str(args.repeat), "--warmup", "1", "--json", e2e_json], env=env)
+                     str(args.repeat), "--warmup", "1", "--phases", "--json", e2e_json], env=env)
                 with open(e2e_json) as f:
                     e2e = json.load(f)
             except SystemExit as e:  # torch or kvcomp.torch missing: the other targets still stand
@@ -260,7 +270,7 @@ def main(argv=None):
     print(f"{counts['met']} met, {counts['missed']} missed, {counts['n/a']} n/a")
     if e2e_note:
         print(e2e_note)
-    phases = phase_rows(training, decode)
+    phases = phase_rows(training, decode, e2e)
     if phases:
         print()
         print("Where the time goes (kvcomp's phase clock, --phases: the mean of each call's extra runs; % of "

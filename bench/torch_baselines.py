@@ -20,6 +20,13 @@ Per case (C4A, C4Li, C128A) and token count it times, in the same process run:
   mode's precision peer. On a CPU the "peers" table then compares kvcomp npu_parity with the eager
   16-bit autograd and kvcomp precise with the eager fp32 one (issue 17's end-to-end targets).
 
+With ``--phases`` (CPU), each kvcomp variant then runs ``--repeat`` more steps with kvcomp's phase clock
+on (``kvcomp.set_phase_timing``), and a table shows where a step's time goes: the operators' phases
+(forward and backward calls) and the rest of the step outside them (autograd, allocation of the
+outputs and gradients, the Python layer, the calls' validation). Those steps run back to back, not in
+rounds with the other variants, so their mean can differ from the timed one (the allocator reuses
+the previous step's memory).
+
 Each time is the mean over ``--repeat`` runs after ``--warmup`` runs: CUDA events on cuda,
 ``time.perf_counter`` after a synchronize elsewhere. On a CPU the variants of a case are timed in
 rounds (each round runs every variant once, in turn), so that a noisy stretch of a shared machine
@@ -165,6 +172,30 @@ def time_all_ms(fns, device, warmup, repeat, failed):
     for key in live:
         times[key] = total[key] * 1e3 / repeat
     return times
+
+
+def phase_profile(step, repeat):
+    """Where a kvcomp step's time goes: `repeat` more steps with kvcomp's phase clock on. Returns the mean
+    step time, each operator phase's mean per step (op, phase, ms) in call order, and the rest of the
+    step outside the phases (autograd, allocations, the Python layer, validation)."""
+    import kvcomp
+
+    kvcomp.reset_phase_times()
+    kvcomp.set_phase_timing(True)
+    wall = 0.0
+    try:
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            out, grads = step()
+            wall += time.perf_counter() - t0
+            del out, grads
+    finally:
+        kvcomp.set_phase_timing(False)
+    phases = [{"op": p["op"], "phase": p["phase"], "ms": p["seconds"] * 1e3 / repeat} for p in kvcomp.phase_times()]
+    calls = {p["op"]: p["calls"] for p in kvcomp.phase_times()}
+    step_ms = wall * 1e3 / repeat
+    return {"steps": repeat, "calls": calls, "step_ms": step_ms, "phases": phases,
+            "outside_ms": step_ms - sum(p["ms"] for p in phases)}
 
 
 def _kvcomp_status(device):
@@ -315,6 +346,10 @@ def run_case(name, T, num_seqs, args, device, dtype, kt, notes):
             measure("kvcomp_parity", in_parity(step_of(kvcomp_fwd)))
 
     times = time_all_ms(timed, device, args.warmup, args.repeat, note_failure)
+    if getattr(args, "phases", False) and device.type == "cpu":
+        for key in ("kvcomp", "kvcomp_parity"):
+            if times.get(key) is not None:
+                res[f"{key}_phases"] = phase_profile(timed[key], args.repeat)
     for key in ("products_fwd", "products_bwd"):
         if times[key] is None:
             raise RuntimeError(f"{label}: the products alone failed")
@@ -378,6 +413,8 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
     p.add_argument("--no-fp32-peer", action="store_true", help="skip the eager fp32 variant of 16-bit io")
+    p.add_argument("--phases", action="store_true",
+                   help="CPU: where each kvcomp step's time goes (kvcomp's phase clock, --repeat more steps)")
     p.add_argument("--json", help="also write the results to this file")
     return p.parse_args(argv)
 
@@ -441,6 +478,22 @@ def main(argv=None):
                 f" | {_fmt(None if par is None else r['eager_ms'] / par, True)} | {_fmt(r['eager_fp32_ms'])}"
                 f" | {_fmt(r['kvcomp_ms'])} | {_fmt(r['eager_fp32_ms'] / r['kvcomp_ms'], True)} |"
             )
+    profiled = [(r, key) for r in results for key in ("kvcomp", "kvcomp_parity") if r.get(f"{key}_phases")]
+    if profiled:
+        print()
+        print("Where a kvcomp step's time goes (--phases: kvcomp's phase clock, the mean of"
+              f" {args.repeat} more steps; outside: autograd, allocations, Python, validation)")
+        print()
+        print("| case | layout | T | variant | step ms | forward ms | backward ms | products ms | outside ms |")
+        print("|---|---|---:|---|---:|---:|---:|---:|---:|")
+        for r, key in profiled:
+            p = r[f"{key}_phases"]
+            fwd = sum(ph["ms"] for ph in p["phases"] if ph["op"] == "forward")
+            bwd = sum(ph["ms"] for ph in p["phases"] if ph["op"] == "backward")
+            prod = sum(ph["ms"] for ph in p["phases"] if ph["phase"].endswith("products"))
+            variant = "npu_parity" if key == "kvcomp_parity" else "precise"
+            print(f"| {r['case']} | {r['layout']} | {r['T']} | {variant} | {p['step_ms']:.1f} | {fwd:.1f} | {bwd:.1f}"
+                  f" | {prod:.1f} | {p['outside_ms']:.1f} |")
     for n in notes:
         print(n)
     if args.json:

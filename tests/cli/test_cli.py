@@ -982,6 +982,38 @@ def test_cpu_targets_judges_figures_against_the_issue_limits():
     assert [t["verdict"] for t in ct.e2e_targets(results)] == ["n/a", "met"]
 
 
+def test_cpu_targets_phase_rows():
+    """bench/cpu_targets.py's "where the time goes" rows on made-up profiles: the products' share (every
+    phase named ...products), the other phases and "outside" largest first, shares summing to 100; C4Li's
+    decode calls are not judged, so not shown; an end-to-end step's phases carry their operator's name."""
+    ct = _cpu_targets_module()
+
+    def prof(call_ms, outside_ms, **phases):
+        return {"call_ms": call_ms, "outside_ms": outside_ms,
+                "phases": [{"phase": k.replace("_", " "), "ms": v} for k, v in phases.items()]}
+
+    training = {"training": [{"preset": "C4A", "layout": "BSH", "T": 64, "phases": {
+        "forward": prof(10.0, 1.0, weights=1.0, products=6.0, blocks=2.0),
+        "backward_npu_parity": prof(20.0, 0.0, blocks=4.0, d_x_products=8.0, d_w_products=8.0),
+        "backward": prof(40.0, 2.0, d_x_products=18.0, d_w_products=18.0, outputs=2.0)}}]}
+    decode = {"decode": [{"preset": p, "B": 8, "tokens": 1, "cache": "paged", "layout": "BSH",
+                          "phases": {"close": prof(2.0, 0.5, products=1.0, blocks=0.5)}} for p in ("C4A", "C4Li")]}
+    e2e = {"results": [{"case": "C4A", "layout": "BSH", "T": 64, "kvcomp_parity_phases": {
+        "step_ms": 50.0, "outside_ms": 5.0, "phases": [{"op": "forward", "phase": "products", "ms": 10.0},
+                                                         {"op": "backward", "phase": "d_x products", "ms": 30.0},
+                                                         {"op": "backward", "phase": "blocks", "ms": 5.0}]}}]}
+    rows = ct.phase_rows(training, decode, e2e)
+    got = [(r["call"], r["case"], r["call_ms"], r["products_pct"], r["others"]) for r in rows]
+    assert got == [
+        ("forward", "C4A BSH T=64", 10.0, 60.0, [("blocks", 20.0), ("weights", 10.0), ("outside", 10.0)]),
+        ("backward npu_parity", "C4A BSH T=64", 20.0, 80.0, [("blocks", 20.0), ("outside", 0.0)]),
+        ("backward precise", "C4A BSH T=64", 40.0, 90.0, [("outputs", 5.0), ("outside", 5.0)]),
+        ("decode close", "C4A B=8 tok=1 paged BSH", 2.0, 50.0, [("blocks", 25.0), ("outside", 25.0)]),
+        ("e2e step npu_parity", "C4A BSH T=64", 50.0, 80.0, [("backward blocks", 10.0), ("outside", 10.0)]),
+    ]
+    assert ct.phase_rows({"training": [{"preset": "C4A", "layout": "BSH", "T": 64}]}, None) == []
+
+
 def test_cpu_targets_report(tmp_path, capsys):
     """bench/cpu_targets.py on a small shape, with the other decode shapes: one judged line per target and
     case, each figure the quotient of the runs' own results, which the report keeps (n/a where a 4-token

@@ -155,3 +155,31 @@ def test_cpu_variants_are_timed_in_rounds():
     assert calls == ["a", "b", "c", "a", "b", "c", "a", "c", "a", "c"]
     assert failures == [("b", "refused")]
     assert times["b"] is None and times["a"] >= 0 and times["c"] >= 0
+
+
+def test_main_phases(capsys, tmp_path):
+    """--phases (CPU): each kvcomp variant runs --repeat more steps with kvcomp's phase clock on; the
+    results hold every operator phase per step, one forward and one backward call per step, phases and
+    the rest summing to the step, and the table prints those sums."""
+    out_json = tmp_path / "baselines.json"
+    results, _, text = _run_main(capsys, ["--no-compile", "--cases", "C4Li", "--phases", "--json", str(out_json)])
+    (res,) = results
+    lines = [line for line in text.splitlines() if line.startswith("| C4Li | BSH | 256 | ")]
+    for key, variant in (("kvcomp", "precise"), ("kvcomp_parity", "npu_parity")):
+        p = res[f"{key}_phases"]
+        steps = p["steps"]
+        assert steps >= 1 and p["calls"] == {"forward": steps, "backward": steps}, p
+        assert [ph["op"] for ph in p["phases"]] == ["forward"] * 6 + ["backward"] * 7, p
+        assert all(ph["ms"] >= 0 for ph in p["phases"]) and p["step_ms"] > 0, p
+        inside = sum(ph["ms"] for ph in p["phases"])
+        assert 0 < inside <= p["step_ms"] and abs(inside + p["outside_ms"] - p["step_ms"]) < 1e-9, p
+        fwd = sum(ph["ms"] for ph in p["phases"] if ph["op"] == "forward")
+        prod = sum(ph["ms"] for ph in p["phases"] if ph["phase"].endswith("products"))
+        (row,) = [line for line in lines if line.split("|")[4].strip() == variant]
+        cells = [c.strip() for c in row.split("|")[5:10]]
+        assert abs(float(cells[0]) - p["step_ms"]) <= 0.051 and abs(float(cells[1]) - fwd) <= 0.051, row
+        assert abs(float(cells[3]) - prod) <= 0.051 and abs(float(cells[4]) - p["outside_ms"]) <= 0.051, row
+    assert "kvcomp_phases" in json.loads(out_json.read_text())["results"][0]
+    # Without --phases: no profile.
+    results, _, text = _run_main(capsys, ["--no-compile", "--cases", "C4Li"])
+    assert "kvcomp_phases" not in results[0] and "Where a kvcomp step" not in text
