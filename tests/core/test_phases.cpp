@@ -3,7 +3,6 @@
 // changed by timing a call.
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <functional>
@@ -155,13 +154,15 @@ TEST(PhaseClock, TimesEachCallsPhasesWithinItsWallTime) {
   }
 }
 
-// The products are timed as products: in a call whose projections dominate (H = 2048: 2 x 2C x H
-// flops per token against the block phase's coff x r x D exponentials per block), they hold the
-// largest share of the forward, even where sanitizers slow kvcomp's own code (not oneDNN's).
-TEST(PhaseClock, ProductsHoldMostOfAWideForward) {
+// The products are timed as products: in a call whose projections dominate (H = 4096: 2 x 2C x H
+// flops per token against the block phase's coff x r x D exponentials per block), they outweigh the
+// phases whose work does not grow with H (ape, blocks, rows), even where sanitizers slow kvcomp's own
+// code (not oneDNN's). The weights and x rows phases grow with H: under KVCOMP_ISA=scalar, converting
+// x to fp32 one element at a time took longer than the fp32 products.
+TEST(PhaseClock, ProductsOutweighTheBlockPhasesOfAWideForward) {
   const PhaseTimingOff guard;
   RandomOptions o = two_chunk_case();
-  o.H = 2048;
+  o.H = 4096;
   o.D = 64;
   auto rc = make_random_case(o, 34);
   round_io_inputs(rc.in, DType::bf16);
@@ -175,17 +176,16 @@ TEST(PhaseClock, ProductsHoldMostOfAWideForward) {
   ForwardRun g(rc.problem, rc.in, DType::bf16);
   ASSERT_TRUE(g.run(one).ok());
   set_phase_timing(false);
-  double products = 0, largest_other = 0;
+  double products = 0, per_block = 0;
   std::string all;
   for (const PhaseTime& p : phase_times())
     if (std::string(p.op) == "forward") {
-      all += std::string(p.phase) + " " + std::to_string(p.seconds) + " s; ";
-      if (std::string(p.phase) == "products")
-        products = p.seconds;
-      else
-        largest_other = std::max(largest_other, p.seconds);
+      const std::string name = p.phase;
+      all += name + " " + std::to_string(p.seconds) + " s; ";
+      if (name == "products") products = p.seconds;
+      if (name == "ape" || name == "blocks" || name == "rows") per_block += p.seconds;
     }
-  EXPECT_GT(products, largest_other) << all;
+  EXPECT_GT(products, per_block) << all;
 }
 
 }  // namespace
