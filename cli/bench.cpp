@@ -135,15 +135,15 @@ struct PhaseProfile {
 PhaseProfile profile_phases(std::string label, const Timed& f, bool forward, int calls,
                             const Timed& before = {}) {
   PhaseProfile p{std::move(label), forward, calls, 0, {}};
-  struct Clock_on {  // off again however the calls end
-    Clock_on() {
+  struct ClockOn {  // off again however the calls end
+    ClockOn() {
       reset_phase_times();
       set_phase_timing(true);
     }
-    ~Clock_on() { set_phase_timing(false); }
+    ~ClockOn() { set_phase_timing(false); }
   };
   {
-    const Clock_on on;
+    const ClockOn on;
     for (int i = 0; i < calls; ++i) {
       if (before) before();  // --decode-cold: the caches evicted, untimed
       const auto t0 = Clock::now();
