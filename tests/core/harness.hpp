@@ -95,6 +95,26 @@ struct Buffer {
 
 inline std::vector<double> round_all(const std::vector<double>& v, DType dt) { return round_to_dtype(v, dt); }
 
+// TH, about 1750 tokens (more than one chunk of rows), D = 40 (three column slices of 16).
+inline RandomOptions chunked_case() {
+  RandomOptions o;
+  o.th = true;
+  o.B = 5;
+  o.S = 700;
+  o.H = 40;
+  o.D = 40;
+  o.coff = 2;
+  o.r = 4;
+  o.max_start_pos = 9;
+  return o;
+}
+
+// The same bytes: two runs' outputs bit for bit.
+template <typename T>
+bool bitwise_equal(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
 inline Tensor tensor(Buffer& b, std::initializer_list<std::int64_t> dims) {
   return Tensor(b.data(), b.dtype, dims);
 }

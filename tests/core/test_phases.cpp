@@ -4,7 +4,6 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
-#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
@@ -13,24 +12,6 @@
 
 namespace kvcomp::test {
 namespace {
-
-RandomOptions two_chunk_case() {
-  RandomOptions o;
-  o.th = true;
-  o.B = 3;
-  o.S = 400;  // ~1000 tokens: two chunks of rows
-  o.H = 48;
-  o.D = 32;
-  o.coff = 2;
-  o.r = 4;
-  o.max_start_pos = 9;
-  return o;
-}
-
-template <typename T>
-bool bitwise_equal(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
 
 // Seconds summed over op's phases, and the timed calls of op.
 struct OpTotals {
@@ -87,7 +68,7 @@ TEST(PhaseClock, ListsEveryPhaseOnceInCallOrder) {
 TEST(PhaseClock, OffByDefaultAndCountsNothing) {
   const PhaseTimingOff guard;
   reset_phase_times();
-  auto rc = make_random_case(two_chunk_case(), 31);
+  auto rc = make_random_case(chunked_case(), 31);
   round_io_inputs(rc.in, DType::bf16);
   ForwardRun f(rc.problem, rc.in, DType::bf16);
   ASSERT_TRUE(f.run().ok());
@@ -102,7 +83,7 @@ TEST(PhaseClock, OffByDefaultAndCountsNothing) {
 TEST(PhaseClock, TimesEachCallsPhasesWithinItsWallTime) {
   const PhaseTimingOff guard;
   for (const DType io : {DType::bf16, DType::f16}) {
-    auto rc = make_random_case(two_chunk_case(), 32);
+    auto rc = make_random_case(chunked_case(), 32);
     round_io_inputs(rc.in, io);
     const BackwardData bd = make_backward_data(rc.problem, rc.in, io, 33);
     ForwardRun plain_f(rc.problem, rc.in, io);
@@ -161,7 +142,7 @@ TEST(PhaseClock, TimesEachCallsPhasesWithinItsWallTime) {
 // x to fp32 one element at a time took longer than the fp32 products.
 TEST(PhaseClock, ProductsOutweighTheBlockPhasesOfAWideForward) {
   const PhaseTimingOff guard;
-  RandomOptions o = two_chunk_case();
+  RandomOptions o = chunked_case();
   o.H = 4096;
   o.D = 64;
   auto rc = make_random_case(o, 34);

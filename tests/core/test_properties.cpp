@@ -4,7 +4,6 @@
 #include <omp.h>
 
 #include <cstdint>
-#include <cstring>
 #include <initializer_list>
 #include <memory>
 #include <vector>
@@ -13,24 +12,6 @@
 
 namespace kvcomp::test {
 namespace {
-
-RandomOptions chunked_case() {
-  RandomOptions o;
-  o.th = true;
-  o.B = 5;
-  o.S = 700;  // ~1750 tokens: more than one chunk of rows
-  o.H = 40;
-  o.D = 40;  // three column slices of 16
-  o.coff = 2;
-  o.r = 4;
-  o.max_start_pos = 9;
-  return o;
-}
-
-template <typename T>
-bool bitwise_equal(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
 
 // A run made by `make` (a unique_ptr to a ForwardRun or BackwardRun) on one thread, then one on each
 // of `counts` threads, each held against the first by `same(first, again, threads)`. Returns the first.
