@@ -191,8 +191,9 @@ def phase_profile(step, repeat):
             del out, grads
     finally:
         kvcomp.set_phase_timing(False)
-    phases = [{"op": p["op"], "phase": p["phase"], "ms": p["seconds"] * 1e3 / repeat} for p in kvcomp.phase_times()]
-    calls = {p["op"]: p["calls"] for p in kvcomp.phase_times()}
+    totals = kvcomp.phase_times()
+    phases = [{"op": p["op"], "phase": p["phase"], "ms": p["seconds"] * 1e3 / repeat} for p in totals]
+    calls = {p["op"]: p["calls"] for p in totals}
     step_ms = wall * 1e3 / repeat
     return {"steps": repeat, "calls": calls, "step_ms": step_ms, "phases": phases,
             "outside_ms": step_ms - sum(p["ms"] for p in phases)}

@@ -5,7 +5,6 @@
 #include <limits>
 #include <memory>
 #include <new>
-#include <string_view>
 
 #include "cpu/backend.hpp"
 #include "cpu/gemm_bf16.hpp"
@@ -408,8 +407,7 @@ std::vector<PhaseTime> phase_times() {
   for (int i = 0; i < static_cast<int>(detail::Phase::count); ++i) {
     const auto p = static_cast<detail::Phase>(i);
     const detail::PhaseName n = detail::phase_name(p);
-    const int op = std::string_view(n.op) == "forward" ? 0 : 1;
-    out.push_back({n.op, n.phase, static_cast<double>(detail::phase_ns(p)) * 1e-9, detail::phase_calls(op)});
+    out.push_back({n.op, n.phase, static_cast<double>(detail::phase_ns(p)) * 1e-9, detail::phase_calls(p)});
   }
   return out;
 }

@@ -37,7 +37,9 @@ std::int64_t phase_ns(Phase p) { return g_ns[static_cast<int>(p)].load(std::memo
 
 void count_phase_call(int op) { g_calls[op].fetch_add(1, std::memory_order_relaxed); }
 
-std::int64_t phase_calls(int op) { return g_calls[op].load(std::memory_order_relaxed); }
+std::int64_t phase_calls(Phase p) {
+  return g_calls[p < Phase::bwd_weights ? 0 : 1].load(std::memory_order_relaxed);
+}
 
 void reset_phase_ns() {
   for (auto& v : g_ns) v.store(0, std::memory_order_relaxed);

@@ -38,9 +38,9 @@ bool phase_timing_on();
 void set_phase_timing_on(bool on);
 void add_phase_ns(Phase p, std::int64_t ns);
 std::int64_t phase_ns(Phase p);
-// Timed calls of each operator (0 forward, 1 backward).
+// Timed calls of each operator (0 forward, 1 backward); phase_calls: those of p's operator.
 void count_phase_call(int op);
-std::int64_t phase_calls(int op);
+std::int64_t phase_calls(Phase p);
 void reset_phase_ns();
 
 // Laps of one call of operator op (0 forward, 1 backward): lap(p) adds the time since the previous lap
