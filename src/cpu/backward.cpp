@@ -44,6 +44,8 @@ struct BackwardBuffers {
   // d_x (+)= dn[part] . [wkv ; wgate]: [n, 2C] . [2C, H], one product over both halves of d_new (two
   // products of K = C, the second accumulating, moved the fp32 d_x rows through memory twice more).
   Bf16Shape dx_shape(const Dims& d) const { return {d.H, 2 * d.C, ld_dn, ld_h, d.H, false}; }
+  // The same product written straight into the bf16 d_x rows (npu_parity's one part).
+  Bf16Shape dx_io_shape(const Dims& d) const { return {d.H, 2 * d.C, ld_dn, d.H, d.H, false, true}; }
   // [d_wkv ; d_wgate] += dnt . x: [2C, k] . [k, H], k the chunk's rows padded to a tile.
   Bf16Shape dw_shape(const Dims& d, std::int64_t k) const { return {d.H, k, ld_t, ld_h, d.H, false}; }
 
@@ -240,6 +242,8 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
   const BackwardBlockInputs in{args.d_cmp_kv.data, static_cast<const float*>(args.softmax_score.data),
                                static_cast<const float*>(args.kv.data)};
   const bool parity = precision == Precision::npu_parity;
+  // npu_parity's d_x product on the bf16 units may write the io rows itself (below).
+  bool dx_to_io = buf.bf16 && parity && bf16_plan(buf.dx_io_shape(d)).ok;
   std::vector<char> mark(static_cast<std::size_t>(buf.R));
   // The first chunk with gradient writes the weight-gradient accumulators,
   // later ones add to them (chunks without gradient rows are skipped).
@@ -253,8 +257,10 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
       laps.lap(Phase::bwd_outputs);
       continue;
     }
-    // Zeroed up to the padded row count of the d_x product (its padding rows stay zero).
+    // Zeroed up to the padded row count of the d_x product (its padding rows stay zero), by the threads
+    // (8 MiB per chunk for C4A).
     const std::int64_t n_pad = buf.bf16 ? bf16_padded_rows(n) : gemm_padded_rows(n, false);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
     for (std::int64_t i = 0; i < n_pad; ++i)
       std::fill(buf.dnew + i * buf.ld_c2, buf.dnew + i * buf.ld_c2 + 2 * C, 0.0f);
     backward_blocks(plan, in, a, b, buf.dnew, buf.ld_c2, buf.dape, parity, num_threads);
@@ -264,6 +270,8 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
     // leak into d_wkv / d_wgate (the NPU kernel does the same).
     const auto* x_rows =
         static_cast<const unsigned char*>(args.x.data) + static_cast<std::size_t>(a * H) * io_size;
+    // Rows [0, io_rows) of the chunk: d_x written by its product (bf16 npu_parity, below).
+    std::int64_t io_rows = 0;
     if (buf.bf16) {
       // x as the weight-gradient product's B: where every row of the chunk has gradient and the chunk
       // is whole tiles (training), x itself; else a copy with zero rows (0 . inf would be NaN).
@@ -297,8 +305,20 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
       // d_x rows = sum over parts of [dn_kv | dn_score] . [wkv ; wgate], hi then lo.
       const Bf16Shape dx = buf.dx_shape(d);
       const void* b_w = buf.packed_w ? buf.packed_w : buf.wcat16;
-      for (int part = 0; part < parts; ++part)
-        if (!gemm_bf16(dx, n_pad, buf.dn[part], {{{b_w, buf.dxf}}}, part > 0, num_threads))
+      // npu_parity: the product writes the bf16 d_x rows of the chunk's whole tiles itself, oneDNN
+      // rounding each fp32 sum as it stores the tile: the bits of the narrowing below, without the
+      // fp32 rows' trip through memory (rows without gradient are zeroed below, as their d_new rows
+      // are 0 but a weight may be inf). The partial last tile: the fp32 rows. Where oneDNN cannot
+      // (no such product, or only its reference kernel): all fp32, for the rest of the call.
+      const std::int64_t whole_tiles = n / kBf16TileRows * kBf16TileRows;
+      if (dx_to_io && whole_tiles > 0) {
+        dx_to_io =
+            gemm_bf16(buf.dx_io_shape(d), whole_tiles, buf.dn[0], {{{b_w, dx_rows}}}, false, num_threads);
+        io_rows = dx_to_io ? whole_tiles : 0;
+      }
+      for (int part = 0; part < parts && io_rows < n_pad; ++part)
+        if (!gemm_bf16(dx, n_pad - io_rows, buf.dn[part] + io_rows * buf.ld_dn,
+                       {{{b_w, buf.dxf + io_rows * buf.ld_h}}}, part > 0, num_threads))
           return {StatusCode::runtime_error, "[kvcomp] oneDNN bf16 matmul for d_x failed"};
       laps.lap(Phase::bwd_dx);
       // [d_wkv ; d_wgate] += dnt . x, hi then lo.
@@ -336,10 +356,10 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (std::int64_t i = 0; i < n; ++i) {
       unsigned char* dst = dx_rows + static_cast<std::size_t>(i * H) * io_size;
-      if (mark[static_cast<std::size_t>(i)])
-        from_f32(buf.dxf + i * buf.ld_h, dst, d.io, H);
-      else
+      if (!mark[static_cast<std::size_t>(i)])
         zero_bytes(dst, H, io_size);
+      else if (i >= io_rows)
+        from_f32(buf.dxf + i * buf.ld_h, dst, d.io, H);
     }
     laps.lap(Phase::bwd_outputs);
   }

@@ -49,9 +49,15 @@ struct TilePrimitive {
   bool in_place = false;
 };
 
-// N, K, lda, ldc, ldb, b_transposed, sum, rows, cols
+// N, K, lda, ldc, ldb, b_transposed, c_bf16, sum, rows, cols
 using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t, bool, bool,
-                       std::int64_t, std::int64_t>;
+                       bool, std::int64_t, std::int64_t>;
+
+// The shape with an fp32 C: the one whose primitive chooses B's layout for both.
+Bf16Shape f32_twin(Bf16Shape s) {
+  s.c_bf16 = false;
+  return s;
+}
 
 dnnl::memory::desc plain_b(const Bf16Shape& s, std::int64_t cols) {
   return {{s.K, cols}, dt::bf16, s.b_transposed ? dims{1, s.ldb} : dims{s.ldb, 1}};
@@ -88,10 +94,10 @@ TilePrimitive* tile_primitive(const Bf16Shape& s, bool accumulate, std::int64_t 
   static std::recursive_mutex mu;
   static std::map<Key, std::unique_ptr<TilePrimitive>> cache;
   const std::lock_guard<std::recursive_mutex> lock(mu);
-  auto& slot = cache[Key{s.N, s.K, s.lda, s.ldc, s.ldb, s.b_transposed, accumulate, rows, cols}];
+  auto& slot = cache[Key{s.N, s.K, s.lda, s.ldc, s.ldb, s.b_transposed, s.c_bf16, accumulate, rows, cols}];
   if (!slot) {
     const dnnl::memory::desc a({rows, s.K}, dt::bf16, dims{s.lda, 1});
-    const dnnl::memory::desc c({rows, cols}, dt::f32, dims{s.ldc, 1});
+    const dnnl::memory::desc c({rows, cols}, s.c_bf16 ? dt::bf16 : dt::f32, dims{s.ldc, 1});
     auto attr_of = [](bool sum) {
       dnnl::primitive_attr attr;
       attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
@@ -108,10 +114,10 @@ TilePrimitive* tile_primitive(const Bf16Shape& s, bool accumulate, std::int64_t 
     const dnnl::memory::desc any({s.K, cols}, dt::bf16, dnnl::memory::format_tag::any);
     bool in_place = false;
     dnnl::memory::desc b = any;
-    if (accumulate || rows != kBf16TileRows || cols != s.N) {
-      // B as the plain tile primitive reads it: in place, or in the layout the caller packed it in
-      // for that one (named explicitly, so that the sum post-op cannot pick another).
-      const TilePrimitive* base = tile_primitive(s, false);
+    if (accumulate || rows != kBf16TileRows || cols != s.N || s.c_bf16) {
+      // B as the plain fp32 tile primitive reads it: in place, or in the layout the caller packed it
+      // in for that one (named explicitly, so that the sum post-op or a bf16 C cannot pick another).
+      const TilePrimitive* base = tile_primitive(f32_twin(s), false);
       in_place = base->in_place;
       b = in_place ? plain_b(s, cols) : base->pd.weights_desc();
     } else {
@@ -319,7 +325,7 @@ struct Tile {
   const TilePrimitive* t;
   const std::uint16_t* a;
   const void* b;
-  float* c;
+  void* c;
 };
 
 // Runs `tiles` executions (tile_of(i) says the i-th; all of them with primitive `full` or `last`),
@@ -363,13 +369,15 @@ bool run_tiles(std::int64_t tiles, const TilePrimitive* full, const TilePrimitiv
 bool gemm_bf16(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
                std::span<const Bf16Target> targets, bool accumulate, int num_threads) {
   if (M <= 0 || s.N <= 0 || targets.empty()) return true;
-  if (M % kBf16TileRows != 0 && (accumulate || M > kBf16TileRows || bf16_packed_short_rows(s, M) != M))
+  if (s.c_bf16 && accumulate) return false;  // C += A . B in bf16 would round twice
+  if (M % kBf16TileRows != 0 &&
+      (accumulate || M > kBf16TileRows || bf16_packed_short_rows(f32_twin(s), M) != M))
     return false;
   const TilePrimitive* full = nullptr;
   const TilePrimitive* last = nullptr;
   std::int64_t unit = kBf16TileRows;
   try {
-    const TilePrimitive* base = tile_primitive(s, false);
+    const TilePrimitive* base = tile_primitive(f32_twin(s), false);
     // In place: about one tile per thread, between kBf16TileRows and kBf16InPlaceTileRows rows (the
     // kernel packs B on every execution, so taller tiles pack it less often; a row's sums do not
     // depend on the height, so neither do they on the thread count). Packed: kBf16TileRows. The
@@ -387,11 +395,13 @@ bool gemm_bf16(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
     return false;
   }
   const std::int64_t per = (M + unit - 1) / unit;  // tiles of one target
+  const std::int64_t c_size = s.c_bf16 ? 2 : 4;
   return run_tiles(
       per * static_cast<std::int64_t>(targets.size()), full, last, num_threads, [&](std::int64_t i) {
         const Bf16Target& x = targets[static_cast<std::size_t>(i / per)];
         const std::int64_t r = i % per;
-        return Tile{(r + 1) * unit <= M ? full : last, a + r * unit * s.lda, x.b, x.c + r * unit * s.ldc};
+        return Tile{(r + 1) * unit <= M ? full : last, a + r * unit * s.lda, x.b,
+                    static_cast<unsigned char*>(x.c) + r * unit * s.ldc * c_size};
       });
 }
 
@@ -499,6 +509,7 @@ bool bf16_short_rows_stable(const Bf16Shape& s, std::int64_t M) {
 bool gemm_bf16_rows(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
                     std::span<const Bf16Target> targets, bool accumulate, int num_threads) {
   if (M <= 0 || s.N <= 0 || targets.empty()) return true;
+  if (s.c_bf16) return false;
   ColumnTiles t{};
   try {
     t = column_tiles(s, accumulate, M);
@@ -512,7 +523,7 @@ bool gemm_bf16_rows(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
         const auto* bb = static_cast<const std::uint16_t*>(x.b);
         const std::int64_t n0 = i % per * t.cols;
         const std::uint16_t* b_tile = t.cols == s.N ? bb : s.b_transposed ? bb + n0 * s.ldb : bb + n0;
-        return Tile{n0 + t.cols <= s.N ? t.full : t.last, a, b_tile, x.c + n0};
+        return Tile{n0 + t.cols <= s.N ? t.full : t.last, a, b_tile, static_cast<float*>(x.c) + n0};
       });
 }
 
@@ -604,7 +615,7 @@ void gemm_bf16_rows_kernel(const Bf16Shape& s, std::int64_t M, const std::uint16
     const Bf16Target& x = targets[static_cast<std::size_t>(j / per)];
     const std::int64_t n0 = j % per * kBf16TileCols, nt = std::min(kBf16TileCols, s.N - n0);
     const std::uint16_t* ar = a + r0 * s.lda;
-    float* cr = x.c + r0 * s.ldc + n0;
+    float* cr = static_cast<float*>(x.c) + r0 * s.ldc + n0;
     if (panels)
       gemm_rows_avx512_bf16_panels(m, nt, s.K, ar, s.lda, panels[j / per] + n0 / 16 * group, cr, s.ldc);
     else

@@ -94,9 +94,16 @@ const char* product_kernels();
 // row stride lda, C fp32 row-major with row stride ldc, B bf16 as the caller
 // holds it: b[k * ldb + n], or, when b_transposed, stored [N, K]:
 // b[n * ldb + k] (a weight matrix as the operators take it).
+// c_bf16: C is bf16 instead, each element its fp32 sum rounded to nearest
+// even by oneDNN as it stores the tile (gemm_bf16 without accumulate only).
+// The sums are those of the fp32 shape (its twin, c_bf16 false): same
+// kernel, same B layout (bf16_plan and bf16_pack_b give the twin's), so an
+// element is the fp32 product's, narrowed (tests/python/test_row_stability.py
+// checks that bitwise).
 struct Bf16Shape {
   std::int64_t N = 0, K = 0, lda = 0, ldc = 0, ldb = 0;
   bool b_transposed = false;
+  bool c_bf16 = false;
 };
 
 // Whether oneDNN makes this product on the bf16 units (false: not available,
@@ -129,17 +136,18 @@ struct Bf16PackJob {
 bool bf16_pack_b(const Bf16Shape& s, const Bf16PackJob* jobs, int count, int num_threads);
 
 // One product of a call on a shared A: its B (the packed copy, or B itself when packed_bytes is 0)
-// and its C.
+// and its C (float, or std::uint16_t where the shape's c_bf16).
 struct Bf16Target {
   const void* b = nullptr;
-  float* c = nullptr;
+  void* c = nullptr;
 };
 
 // C[M, N] = A . B, or C += A . B when accumulate, for each target (products of one shape on the same
 // A, e.g. the two projections; their tiles are dealt to the threads together, so that a decode call
 // whose products are one tile each still uses two threads). M must be a multiple of kBf16TileRows
 // (the caller pads A with zero rows and gives C room for them), or, without accumulate, a height that
-// bf16_packed_short_rows returned for this shape. False if oneDNN failed.
+// bf16_packed_short_rows returned for this shape. With c_bf16, never accumulate (false). False if
+// oneDNN failed.
 bool gemm_bf16(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
                std::span<const Bf16Target> targets, bool accumulate, int num_threads);
 
@@ -164,7 +172,7 @@ constexpr std::int64_t kBf16TileCols = 256;
 // B is read in place its columns are cut into tiles of kBf16TileCols, each one
 // single-threaded primitive execution over the whole K (one tile over all
 // columns where B is packed). Deterministic across thread counts; a row's
-// result may depend on M.
+// result may depend on M. C fp32 only (c_bf16: false).
 bool gemm_bf16_rows(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
                     std::span<const Bf16Target> targets, bool accumulate, int num_threads);
 

@@ -103,6 +103,46 @@ def test_sequence_alone_or_after_others(coff, other):
     assert torch.equal(dx1, dx2)
 
 
+@pytest.mark.parametrize("precision", ["npu_parity", "precise"])
+@pytest.mark.parametrize("coff", [1, 2])
+@pytest.mark.parametrize("hidden", [H, 256])
+@pytest.mark.parametrize("lens,other", [(64, 37), (1088, 37), (36, 28), (36, 1016)])
+def test_d_x_of_whole_tiles_equals_a_ragged_call(precision, coff, hidden, lens, other):
+    """A sequence's d_x, alone and after another sequence, when one of the two calls has chunks of whole
+    64-row tiles whose every row has gradient and the other does not (a row without gradient: the other
+    sequence's unfinished block). In npu_parity mode on the bf16 units the first kind of chunk has its
+    d_x product write the bf16 rows itself (src/cpu/backward.cpp), the second narrows fp32 rows: the
+    bits must be the same. 64 alone: whole; after 37: ragged. 36 alone: ragged; after 28 or 1016: whole
+    (1088: two chunks)."""
+    wkv, wgate, ape = _weights(coff, hidden=hidden)
+    g = torch.Generator().manual_seed(lens + other)
+    xb = torch.randn(lens, hidden, generator=g).bfloat16()
+    xa = torch.randn(other, hidden, generator=g).bfloat16()
+    dc = torch.randn(lens // R, D, generator=g).bfloat16()
+
+    def run(parts):
+        sizes = [p.shape[0] for p in parts]
+        cu = torch.tensor([0] + torch.tensor(sizes).cumsum(0).tolist(), dtype=torch.int32)
+        x = torch.cat(parts).requires_grad_()
+        cache = torch.zeros(1, R, 2 * coff * D)
+        table = torch.zeros(len(sizes), -(-max(sizes) // R), dtype=torch.int32)
+        out = kt.compressor(x, wkv, wgate, cache, ape, R, state_block_table=table, cu_seqlens=cu, coff=coff)
+        before = sum(n // R for n in sizes[:-1])
+        up = torch.zeros_like(out)
+        up[before:before + dc.shape[0]] = dc
+        up[:before] = 1.0  # the other sequence has gradient too
+        out.backward(up)
+        return x.grad[-lens:]
+
+    previous = kvcomp.set_default_options(precision=precision)
+    try:
+        alone, after = run([xb]), run([xa, xb])
+    finally:
+        kvcomp.set_default_options(**previous)
+    assert alone.abs().sum() > 0
+    assert torch.equal(alone, after)
+
+
 @pytest.mark.parametrize("prepared", [False, True])
 @pytest.mark.parametrize("dtype,hidden", [(torch.bfloat16, H), (torch.float16, H), (torch.float16, 1003)])
 @pytest.mark.parametrize("coff", [1, 2])
