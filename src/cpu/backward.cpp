@@ -243,7 +243,7 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
                                static_cast<const float*>(args.kv.data)};
   const bool parity = precision == Precision::npu_parity;
   // npu_parity's d_x product on the bf16 units may write the io rows itself (below).
-  bool dx_to_io = buf.bf16 && parity && bf16_plan(buf.dx_io_shape(d)).ok;
+  bool dx_to_io = buf.bf16 && parity && bf16_c_rounds_like_f32(buf.dx_io_shape(d));
   std::vector<char> mark(static_cast<std::size_t>(buf.R));
   // The first chunk with gradient writes the weight-gradient accumulators,
   // later ones add to them (chunks without gradient rows are skipped).

@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/numerics.hpp"
 #include "cpu/gemm.hpp"
 #include "cpu/gemm_rows.hpp"
 #include "cpu/isa.hpp"
@@ -369,7 +370,8 @@ bool run_tiles(std::int64_t tiles, const TilePrimitive* full, const TilePrimitiv
 bool gemm_bf16(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
                std::span<const Bf16Target> targets, bool accumulate, int num_threads) {
   if (M <= 0 || s.N <= 0 || targets.empty()) return true;
-  if (s.c_bf16 && accumulate) return false;  // C += A . B in bf16 would round twice
+  // C += A . B in bf16 would round twice; a bf16 C only where it holds the fp32 sums' rounding.
+  if (s.c_bf16 && (accumulate || !bf16_c_rounds_like_f32(s))) return false;
   if (M % kBf16TileRows != 0 &&
       (accumulate || M > kBf16TileRows || bf16_packed_short_rows(f32_twin(s), M) != M))
     return false;
@@ -446,7 +448,60 @@ std::optional<bool> short_packed_tile_matches(const Bf16Shape& s, std::int64_t m
   return true;
 }
 
+// Whether the bf16-C tile primitive of shape s (c_bf16) gives each element of a 64-row tile the fp32
+// twin's sum rounded to nearest even, on random operands laid out as the products read them; none
+// where a reorder or product could not run (as above).
+std::optional<bool> bf16_c_tile_matches(const Bf16Shape& s) {
+  const Bf16Shape twin = f32_twin(s);
+  const TilePrimitive* f32 = tile_primitive(twin, false);
+  const TilePrimitive* narrow = tile_primitive(s, false);
+  if (narrow->pd.weights_desc() != f32->pd.weights_desc()) return false;
+  std::uint32_t state = 0x7F4A7C15u + static_cast<std::uint32_t>(s.K * 131 + s.N);
+  std::vector<std::uint16_t> a(static_cast<std::size_t>(kBf16TileRows * s.lda));
+  std::vector<std::uint16_t> b(static_cast<std::size_t>((s.b_transposed ? s.N : s.K) * s.ldb));
+  for (auto& v : a) v = next_probe_value(state);
+  for (auto& v : b) v = next_probe_value(state);
+  std::vector<unsigned char> packed(f32->in_place ? 0 : f32->pd.weights_desc().get_size());
+  const Bf16PackJob job{b.data(), packed.data()};
+  if (!bf16_pack_b(twin, &job, 1, 1)) return std::nullopt;
+  const void* bb = f32->in_place ? static_cast<const void*>(b.data()) : packed.data();
+  std::vector<float> want(static_cast<std::size_t>(kBf16TileRows * twin.ldc), 0.0f);
+  std::vector<std::uint16_t> got(static_cast<std::size_t>(kBf16TileRows * s.ldc), 0);
+  if (!run_tiles(1, f32, f32, 1, [&](std::int64_t) { return Tile{f32, a.data(), bb, want.data()}; }) ||
+      !run_tiles(1, narrow, narrow, 1, [&](std::int64_t) { return Tile{narrow, a.data(), bb, got.data()}; }))
+    return std::nullopt;
+  for (std::int64_t i = 0; i < kBf16TileRows; ++i) {
+    const std::uint16_t* row = got.data() + i * s.ldc;
+    const float* sums = want.data() + i * twin.ldc;
+    for (std::int64_t j = 0; j < s.N; ++j)
+      if (row[j] != f32_to_bf16(sums[j])) return false;
+  }
+  return true;
+}
+
 }  // namespace
+
+bool bf16_c_rounds_like_f32(const Bf16Shape& s) {
+  if (!s.c_bf16 || !bf16_product_kernel()) return false;
+  static std::mutex mu;
+  using ShapeKey = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t, bool>;
+  static std::map<ShapeKey, bool> probed;
+  const std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_tuple(s.N, s.K, s.lda, s.ldc, s.ldb, s.b_transposed);
+  auto it = probed.find(key);
+  if (it == probed.end()) {
+    std::optional<bool> ok;
+    try {
+      ok = bf16_c_tile_matches(s);
+    } catch (const std::bad_alloc&) {  // ok stays empty
+    } catch (const std::exception&) {  // dnnl::error, or only oneDNN's reference kernel: for good
+      ok = false;
+    }
+    if (!ok) return false;  // it could not run (out of memory): fp32 rows this time, probed again next time
+    it = probed.emplace(key, *ok).first;
+  }
+  return it->second;
+}
 
 std::int64_t bf16_packed_short_rows(const Bf16Shape& s, std::int64_t n) {
   if (n < 1 || n >= kBf16TileRows || !bf16_product_kernel()) return 0;

@@ -95,11 +95,9 @@ const char* product_kernels();
 // holds it: b[k * ldb + n], or, when b_transposed, stored [N, K]:
 // b[n * ldb + k] (a weight matrix as the operators take it).
 // c_bf16: C is bf16 instead, each element its fp32 sum rounded to nearest
-// even by oneDNN as it stores the tile (gemm_bf16 without accumulate only).
-// The sums are those of the fp32 shape (its twin, c_bf16 false): same
-// kernel, same B layout (bf16_plan and bf16_pack_b give the twin's), so an
-// element is the fp32 product's, narrowed (tests/python/test_row_stability.py
-// checks that bitwise).
+// even by oneDNN as it stores the tile (gemm_bf16 without accumulate only,
+// where bf16_c_rounds_like_f32). B is laid out as for the fp32 shape (its
+// twin, c_bf16 false): bf16_plan and bf16_pack_b give the twin's.
 struct Bf16Shape {
   std::int64_t N = 0, K = 0, lda = 0, ldc = 0, ldb = 0;
   bool b_transposed = false;
@@ -150,6 +148,13 @@ struct Bf16Target {
 // oneDNN failed.
 bool gemm_bf16(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
                std::span<const Bf16Target> targets, bool accumulate, int num_threads);
+
+// Whether gemm_bf16 may run this c_bf16 shape: where oneDNN's bf16-C tile gives each element the bits
+// of its fp32 twin's sum narrowed to bf16 (nearest even), so that a row's bits do not depend on which
+// of the two wrote it. oneDNN does not promise this (its blocking may depend on C's type): probed once
+// per shape and process on random operands, as bf16_packed_short_rows (tests/python/
+// test_row_stability.py checks the rows of whole calls). False for an fp32 C.
+bool bf16_c_rounds_like_f32(const Bf16Shape& s);
 
 // Rows of a short tile on a packed B: AMX's tile height.
 constexpr std::int64_t kBf16ShortTileRows = 16;
