@@ -22,7 +22,7 @@ struct BackwardBuffers {
   float* wcat = nullptr;              // [2C, ld_h]: wkv rows then wgate rows, fp32 (fp32 products)
   float* dwcat;                       // [2C (bf16: padded to a tile), ld_h]: d_wkv then d_wgate rows, fp32
   float* xf = nullptr;  // [R, ld_h]: the chunk's x rows in fp32, rows without gradient zeroed (fp32 products)
-  float* dnew;          // [Rp, ld_c2]: d_new_kv | d_new_score
+  float* dnew = nullptr;  // [Rp, ld_c2]: d_new_kv | d_new_score (null where dn_direct)
   float* dnew_t = nullptr;  // [2C, ld_r]: its transpose (oneDNN's transposed-A path runs at half speed)
   float* dxf;               // [Rp, ld_h]: d_x of the chunk before narrowing
   double* dape;             // [r, C]
@@ -30,6 +30,9 @@ struct BackwardBuffers {
   // bf16 as a high part and, in precise mode, a low part (d_new - hi, rounded): both as the d_x
   // product's A [Rp, ld_dn] and, transposed, as the weight-gradient product's A [2Cp, ld_t].
   bool bf16 = false;
+  // npu_parity on the bf16 units: the blocks write d_new as bf16 straight into dn[0] (its values are
+  // bf16 already), no fp32 rows.
+  bool dn_direct = false;
   bool ok = true;
   std::int64_t ld_dn = 0, ld_t = 0, c2p = 0;  // c2p: 2C padded to a tile
   std::uint16_t* dn[2] = {nullptr, nullptr};
@@ -65,6 +68,7 @@ struct BackwardBuffers {
       const Bf16Plan w = bf16_plan(dx_shape(d)), x = bf16_plan(dw_shape(d, bf16_padded_rows(R)));
       packed_x_bytes = x.packed_bytes;
       bf16 = true;
+      dn_direct = precision == Precision::npu_parity;
       ok = w.ok && x.ok;  // oneDNN could not make the products (out of memory)
       wcat16 = ws.take<std::uint16_t>(2 * d.C * d.H);
       if (w.packed_bytes > 0) packed_w = ws.take<unsigned char>(static_cast<std::int64_t>(w.packed_bytes));
@@ -82,7 +86,7 @@ struct BackwardBuffers {
       dnew_t = ws.take<float>(2 * d.C * ld_r);
     }
     dwcat = ws.take<float>((bf16 ? c2p : 2 * d.C) * ld_h);
-    dnew = ws.take<float>(Rp * ld_c2);
+    if (!dn_direct) dnew = ws.take<float>(Rp * ld_c2);
     dxf = ws.take<float>(Rp * ld_h);
     dape = ws.take<double>(d.r * d.C);
     size = ws.size();
@@ -154,13 +158,13 @@ void transpose_4x4_f32(const float* src, std::int64_t ld_src, float* dst, std::i
 // lo = bf16(d_new - hi) (zero where hi is not finite), as [rows, 2C] row-major and transposed
 // [2C, rows] (rows 2C..c2p zero): each row converted by the dispatched kernels, then the bf16 values
 // transposed. In npu_parity d_new is already bf16 (spec 6.1 step 7), so hi is exact and lo is not
-// needed.
+// needed; there the blocks wrote hi themselves (dnew null): only the transpose.
 void split_to_bf16(const float* dnew, std::int64_t ld, std::int64_t rows, std::int64_t c2,
                    std::uint16_t* const dn[2], std::int64_t ld_dn, std::uint16_t* const dnt[2],
                    std::int64_t c2p, std::int64_t ld_t, bool with_lo, int num_threads) {
   const int parts = with_lo ? 2 : 1;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (std::int64_t i = 0; i < rows; ++i) {
+  for (std::int64_t i = 0; i < (dnew ? rows : 0); ++i) {
     const float* v = dnew + i * ld;
     std::uint16_t* hi = dn[0] + i * ld_dn;
     from_f32(v, hi, DType::bf16, c2);
@@ -258,12 +262,17 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
       continue;
     }
     // Zeroed up to the padded row count of the d_x product (its padding rows stay zero), by the threads
-    // (8 MiB per chunk for C4A).
+    // (8 MiB per chunk for C4A in fp32).
     const std::int64_t n_pad = buf.bf16 ? bf16_padded_rows(n) : gemm_padded_rows(n, false);
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (std::int64_t i = 0; i < n_pad; ++i)
-      std::fill(buf.dnew + i * buf.ld_c2, buf.dnew + i * buf.ld_c2 + 2 * C, 0.0f);
-    backward_blocks(plan, in, a, b, buf.dnew, buf.ld_c2, buf.dape, parity, num_threads);
+    for (std::int64_t i = 0; i < n_pad; ++i) {
+      if (buf.dn_direct)
+        std::fill(buf.dn[0] + i * buf.ld_dn, buf.dn[0] + i * buf.ld_dn + 2 * C, std::uint16_t{0});
+      else
+        std::fill(buf.dnew + i * buf.ld_c2, buf.dnew + i * buf.ld_c2 + 2 * C, 0.0f);
+    }
+    backward_blocks(plan, in, a, b, buf.dnew, buf.dn_direct ? buf.dn[0] : nullptr,
+                    buf.dn_direct ? buf.ld_dn : buf.ld_c2, buf.dape, parity, num_threads);
     laps.lap(Phase::bwd_blocks);
 
     // x rows without gradient are zeroed so that 0 * Inf/NaN in them cannot

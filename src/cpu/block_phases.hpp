@@ -27,8 +27,11 @@ struct BackwardBlockInputs {
 // [C,2C) d_new_score) and adds the chunk's dZ rows into dape [r, C]
 // (float64); cells without gradient are not touched, so the caller zeroes
 // dnew first. npu_parity rounds dK / dZ to the io dtype (spec 6.1 step 7).
+// dnew16 instead of dnew (npu_parity with bf16 io): the cells as bf16, the
+// bits of the rounded fp32 values (dnew null).
 void backward_blocks(const BlockPlan& plan, const BackwardBlockInputs& in, std::int64_t a, std::int64_t b,
-                     float* dnew, std::int64_t ld_dnew, double* dape, bool npu_parity, int num_threads);
+                     float* dnew, std::uint16_t* dnew16, std::int64_t ld_dnew, double* dape, bool npu_parity,
+                     int num_threads);
 
 struct ForwardBlockIo {
   // Projections of global rows [proj_first, b): [rows, 2C], kv then score

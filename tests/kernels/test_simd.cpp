@@ -276,6 +276,21 @@ TEST_P(Simd, BlockDotAndSlotGradMatchFloat64) {
         EXPECT_EQ(bits(pz[static_cast<std::size_t>(i)]), bits(round(dz[static_cast<std::size_t>(i)])));
       }
     }
+    // npu_parity with bf16 io written as bf16: the bits of the rounded values; ape as above.
+    std::vector<std::uint16_t> hk(kSlice, 0x7777), hz(kSlice, 0x7777);
+    std::vector<double> ape16(kSlice, 0.25);
+    k().slot_grad_bf16(b.S.data() + j * ld, b.K.data() + j * ld, dc.data(), wsum, w, hk.data(), hz.data(),
+                       ape16.data());
+    for (i64 i = 0; i < w; ++i) {
+      const auto u = static_cast<std::size_t>(i);
+      const float sv = b.S[static_cast<std::size_t>(j * ld + i)],
+                  kv = b.K[static_cast<std::size_t>(j * ld + i)];
+      const double z = static_cast<double>(sv) * dc[u] * (static_cast<double>(kv) - wsum[i]);
+      EXPECT_EQ(hk[u], float_to_bf16(dk[u]));
+      EXPECT_EQ(hz[u], float_to_bf16(dz[u]));
+      EXPECT_EQ(ape16[u], 0.25 + z);
+    }
+    for (i64 i = w; i < kSlice; ++i) EXPECT_EQ(hk[static_cast<std::size_t>(i)], 0x7777);
   }
 }
 
@@ -307,6 +322,15 @@ TEST_P(Simd, BitwiseEqualToScalarVariant) {
         ASSERT_EQ(std::memcmp(za.data(), zs.data(), za.size() * sizeof(float)), 0);
         ASSERT_EQ(std::memcmp(pa.data(), ps.data(), pa.size() * sizeof(double)), 0);
       }
+      std::vector<std::uint16_t> ka(kSlice), za(kSlice), ks(kSlice), zs(kSlice);
+      std::vector<double> pa(kSlice, 1.0), ps(kSlice, 1.0);
+      k().slot_grad_bf16(b.S.data() + 2 * b.ld, b.K.data() + 2 * b.ld, b.sc.data(), wa, w, ka.data(),
+                         za.data(), pa.data());
+      ref.slot_grad_bf16(b.S.data() + 2 * b.ld, b.K.data() + 2 * b.ld, b.sc.data(), ws, w, ks.data(),
+                         zs.data(), ps.data());
+      ASSERT_EQ(ka, ks);
+      ASSERT_EQ(za, zs);
+      ASSERT_EQ(std::memcmp(pa.data(), ps.data(), pa.size() * sizeof(double)), 0);
     }
   }
 }

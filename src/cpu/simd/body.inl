@@ -81,6 +81,26 @@ void slot_grad(const float* S, const float* K, const float* dc, const double* ws
   slot_grad_w<0>(S, K, dc, wsum, w, parity, dk_out, dz_out, ape);
 }
 
+template <i64 kW>
+void slot_grad_bf16_impl(const float* S, const float* K, const float* dc, const double* wsum, i64 w_rt,
+                         std::uint16_t* dk_out, std::uint16_t* dz_out, double* ape) {
+  const i64 w = kW > 0 ? kW : w_rt;
+  for (i64 i = 0; i < w; ++i) {
+    const float sv = S[i];
+    const double dz =
+        static_cast<double>(sv) * static_cast<double>(dc[i]) * (static_cast<double>(K[i]) - wsum[i]);
+    dk_out[i] = f32_to_bf16(dc[i] * sv);
+    dz_out[i] = f32_to_bf16(static_cast<float>(dz));
+    ape[i] += dz;
+  }
+}
+
+void slot_grad_bf16(const float* S, const float* K, const float* dc, const double* wsum, i64 w,
+                    std::uint16_t* dk_out, std::uint16_t* dz_out, double* ape) {
+  if (w == kSlice) return slot_grad_bf16_impl<kSlice>(S, K, dc, wsum, w, dk_out, dz_out, ape);
+  slot_grad_bf16_impl<0>(S, K, dc, wsum, w, dk_out, dz_out, ape);
+}
+
 void from_f32(const float* src, void* dst, DType dt, i64 n) {
   auto* h = static_cast<std::uint16_t*>(dst);
   switch (dt) {
@@ -182,6 +202,7 @@ void block_softmax(const float* const* sc, const float* const* kv, i64 cr, i64 w
 
 }  // namespace
 
-extern const SimdKernels kTable{Isa::KVCOMP_SIMD_NS, block_dot, slot_grad, block_softmax, to_f32, from_f32};
+extern const SimdKernels kTable{Isa::KVCOMP_SIMD_NS, block_dot,      slot_grad, slot_grad_bf16,
+                                block_softmax,         to_f32, from_f32};
 
 }  // namespace kvcomp::detail::KVCOMP_SIMD_NS

@@ -34,6 +34,10 @@ struct SimdKernels {
   // (npu_parity); ape[i] += dz.
   void (*slot_grad)(const float* S, const float* K, const float* dc, const double* wsum, std::int64_t w,
                     DType parity, float* dk_out, float* dz_out, double* ape);
+  // The same for npu_parity with bf16 io, dk and dz written as bf16: the bits slot_grad's rounded
+  // values have as bf16.
+  void (*slot_grad_bf16)(const float* S, const float* K, const float* dc, const double* wsum, std::int64_t w,
+                         std::uint16_t* dk_out, std::uint16_t* dz_out, double* ape);
   // Softmax over the cr rows of one block for w <= kSoftmaxChunk columns, in
   // float64. sc[j] / kv[j]: the rows (already offset to the chunk), nullptr
   // for a placeholder row (weight exactly 0). Writes softmax_score / kv rows
