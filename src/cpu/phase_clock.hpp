@@ -21,10 +21,12 @@ enum class Phase : int {
   bwd_weights,   // the weights copied and packed, or converted
   bwd_blocks,    // d_new and d_ape from the blocks (softmax backward)
   bwd_x,         // the chunk's x rows copied, packed or converted
-  bwd_split,     // d_new to the products' operands (bf16 hi [+ lo], transposed)
-  bwd_dx,        // d_x rows = d_new . [wkv ; wgate]
+  bwd_split,     // d_new to the products' operands (bf16 hi [+ lo], transposed; npu_parity on the
+                 // bf16 units: transposed only, the blocks wrote it as bf16)
+  bwd_dx,        // d_x rows = d_new . [wkv ; wgate] (npu_parity on the bf16 units: written as bf16)
   bwd_dw,        // [d_wkv ; d_wgate] += d_new^T . x
-  bwd_outputs,   // d_x rows narrowed (or zeroed), d_wkv, d_wgate and d_ape written
+  bwd_outputs,   // d_x rows narrowed (or zeroed) where the product did not write them, d_wkv, d_wgate
+                 // and d_ape written
   count
 };
 
