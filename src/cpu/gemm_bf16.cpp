@@ -479,52 +479,49 @@ std::optional<bool> bf16_c_tile_matches(const Bf16Shape& s) {
   return true;
 }
 
+// A shape and a tile height.
+using ProbeKey =
+    std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t, bool, std::int64_t>;
+
+// The verdict of probe() for key, probed once per process (verdicts guarded by mu). A probe that could
+// not run (none, or std::bad_alloc: out of memory) gives false this time and is probed again next
+// time; one that threw anything else (dnnl::error, or only oneDNN's reference kernel) is false for good.
+template <class Probe>
+bool probed_once(std::mutex& mu, std::map<ProbeKey, bool>& verdicts, const ProbeKey& key, Probe&& probe) {
+  const std::lock_guard<std::mutex> lock(mu);
+  auto it = verdicts.find(key);
+  if (it == verdicts.end()) {
+    std::optional<bool> ok;
+    try {
+      ok = probe();
+    } catch (const std::bad_alloc&) {  // ok stays empty
+    } catch (const std::exception&) {
+      ok = false;
+    }
+    if (!ok) return false;
+    it = verdicts.emplace(key, *ok).first;
+  }
+  return it->second;
+}
+
 }  // namespace
 
 bool bf16_c_rounds_like_f32(const Bf16Shape& s) {
   if (!s.c_bf16 || !bf16_product_kernel()) return false;
   static std::mutex mu;
-  using ShapeKey = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t, bool>;
-  static std::map<ShapeKey, bool> probed;
-  const std::lock_guard<std::mutex> lock(mu);
-  const auto key = std::make_tuple(s.N, s.K, s.lda, s.ldc, s.ldb, s.b_transposed);
-  auto it = probed.find(key);
-  if (it == probed.end()) {
-    std::optional<bool> ok;
-    try {
-      ok = bf16_c_tile_matches(s);
-    } catch (const std::bad_alloc&) {  // ok stays empty
-    } catch (const std::exception&) {  // dnnl::error, or only oneDNN's reference kernel: for good
-      ok = false;
-    }
-    if (!ok) return false;  // it could not run (out of memory): fp32 rows this time, probed again next time
-    it = probed.emplace(key, *ok).first;
-  }
-  return it->second;
+  static std::map<ProbeKey, bool> verdicts;
+  const ProbeKey key{s.N, s.K, s.lda, s.ldc, s.ldb, s.b_transposed, kBf16TileRows};
+  return probed_once(mu, verdicts, key, [&] { return bf16_c_tile_matches(s); });  // else: fp32 rows
 }
 
 std::int64_t bf16_packed_short_rows(const Bf16Shape& s, std::int64_t n) {
   if (n < 1 || n >= kBf16TileRows || !bf16_product_kernel()) return 0;
   const std::int64_t m = (n + kBf16ShortTileRows - 1) / kBf16ShortTileRows * kBf16ShortTileRows;
   static std::mutex mu;
-  using ShapeKey = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t, bool,
-                              std::int64_t>;
-  static std::map<ShapeKey, bool> probed;
-  const std::lock_guard<std::mutex> lock(mu);
-  const auto key = std::make_tuple(s.N, s.K, s.lda, s.ldc, s.ldb, s.b_transposed, m);
-  auto it = probed.find(key);
-  if (it == probed.end()) {
-    std::optional<bool> ok;
-    try {
-      ok = short_packed_tile_matches(s, m);
-    } catch (const std::bad_alloc&) {  // ok stays empty
-    } catch (const std::exception&) {  // dnnl::error, or only oneDNN's reference kernel: for good
-      ok = false;
-    }
-    if (!ok) return 0;  // it could not run (out of memory): 64-row tiles this time, probed again next time
-    it = probed.emplace(key, *ok).first;
-  }
-  return it->second ? m : 0;
+  static std::map<ProbeKey, bool> verdicts;
+  const ProbeKey key{s.N, s.K, s.lda, s.ldc, s.ldb, s.b_transposed, m};
+  // else: a whole 64-row tile
+  return probed_once(mu, verdicts, key, [&] { return short_packed_tile_matches(s, m); }) ? m : 0;
 }
 
 namespace {
