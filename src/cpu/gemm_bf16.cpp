@@ -416,6 +416,29 @@ std::uint16_t next_probe_value(std::uint32_t& state) {
   return static_cast<std::uint16_t>((r & 0x8000u) | ((127u - 8u + (r >> 7) % 17u) << 7) | (r & 0x7Fu));
 }
 
+// Random operands of one 64-row tile of shape s, from a state seeded by `seed` and the shape: A, and B
+// where it lies and packed as `base` (the shape's plain fp32 tile primitive) reads it.
+struct ProbeOperands {
+  std::vector<std::uint16_t> a, b;
+  std::vector<unsigned char> packed;
+  const void* read_b = nullptr;  // what the primitives read: b, or its packed copy
+};
+
+// False if the packing could not run.
+bool make_probe_operands(const Bf16Shape& s, const TilePrimitive* base, std::uint32_t seed,
+                         ProbeOperands& o) {
+  std::uint32_t state = seed + static_cast<std::uint32_t>(s.K * 131 + s.N);
+  o.a.resize(static_cast<std::size_t>(kBf16TileRows * s.lda));
+  o.b.resize(static_cast<std::size_t>((s.b_transposed ? s.N : s.K) * s.ldb));
+  for (auto& v : o.a) v = next_probe_value(state);
+  for (auto& v : o.b) v = next_probe_value(state);
+  o.packed.resize(base->in_place ? 0 : base->pd.weights_desc().get_size());
+  const Bf16PackJob job{o.b.data(), o.packed.data()};
+  if (!bf16_pack_b(f32_twin(s), &job, 1, 1)) return false;
+  o.read_b = base->in_place ? static_cast<const void*>(o.b.data()) : o.packed.data();
+  return true;
+}
+
 // Whether the m-row tile primitive of this shape gives rows [0, m) and [64 - m, 64) of a 64-row tile
 // the bits the 64-row primitive gives them, on random operands packed as the products read them; none
 // where a reorder or product could not run (oneDNN reports those, e.g. out of memory, as failures).
@@ -424,21 +447,15 @@ std::optional<bool> short_packed_tile_matches(const Bf16Shape& s, std::int64_t m
   if (tall->in_place) return false;
   const TilePrimitive* low = tile_primitive(s, false, m);
   if (low->pd.weights_desc() != tall->pd.weights_desc()) return false;
-  std::uint32_t state = 0x9E3779B9u + static_cast<std::uint32_t>(s.K * 131 + s.N);
-  std::vector<std::uint16_t> a(static_cast<std::size_t>(kBf16TileRows * s.lda));
-  std::vector<std::uint16_t> b(static_cast<std::size_t>((s.b_transposed ? s.N : s.K) * s.ldb));
-  for (auto& v : a) v = next_probe_value(state);
-  for (auto& v : b) v = next_probe_value(state);
-  std::vector<unsigned char> packed(tall->pd.weights_desc().get_size());
-  const Bf16PackJob job{b.data(), packed.data()};
-  if (!bf16_pack_b(s, &job, 1, 1)) return std::nullopt;
+  ProbeOperands o;
+  if (!make_probe_operands(s, tall, 0x9E3779B9u, o)) return std::nullopt;
   const std::size_t c_size = static_cast<std::size_t>(kBf16TileRows * s.ldc);
   std::vector<float> want(c_size, 0.0f), got(c_size, 0.0f);
-  const auto tall_tile = [&](std::int64_t) { return Tile{tall, a.data(), packed.data(), want.data()}; };
+  const auto tall_tile = [&](std::int64_t) { return Tile{tall, o.a.data(), o.read_b, want.data()}; };
   if (!run_tiles(1, tall, tall, 1, tall_tile)) return std::nullopt;
   for (const std::int64_t r0 : {std::int64_t{0}, kBf16TileRows - m}) {
     const bool ran = run_tiles(1, low, low, 1, [&](std::int64_t) {
-      return Tile{low, a.data() + r0 * s.lda, packed.data(), got.data() + r0 * s.ldc};
+      return Tile{low, o.a.data() + r0 * s.lda, o.read_b, got.data() + r0 * s.ldc};
     });
     if (!ran) return std::nullopt;
     for (std::int64_t i = r0; i < r0 + m; ++i)
@@ -456,19 +473,14 @@ std::optional<bool> bf16_c_tile_matches(const Bf16Shape& s) {
   const TilePrimitive* f32 = tile_primitive(twin, false);
   const TilePrimitive* narrow = tile_primitive(s, false);
   if (narrow->pd.weights_desc() != f32->pd.weights_desc()) return false;
-  std::uint32_t state = 0x7F4A7C15u + static_cast<std::uint32_t>(s.K * 131 + s.N);
-  std::vector<std::uint16_t> a(static_cast<std::size_t>(kBf16TileRows * s.lda));
-  std::vector<std::uint16_t> b(static_cast<std::size_t>((s.b_transposed ? s.N : s.K) * s.ldb));
-  for (auto& v : a) v = next_probe_value(state);
-  for (auto& v : b) v = next_probe_value(state);
-  std::vector<unsigned char> packed(f32->in_place ? 0 : f32->pd.weights_desc().get_size());
-  const Bf16PackJob job{b.data(), packed.data()};
-  if (!bf16_pack_b(twin, &job, 1, 1)) return std::nullopt;
-  const void* bb = f32->in_place ? static_cast<const void*>(b.data()) : packed.data();
+  ProbeOperands o;
+  if (!make_probe_operands(s, f32, 0x7F4A7C15u, o)) return std::nullopt;
   std::vector<float> want(static_cast<std::size_t>(kBf16TileRows * twin.ldc), 0.0f);
   std::vector<std::uint16_t> got(static_cast<std::size_t>(kBf16TileRows * s.ldc), 0);
-  if (!run_tiles(1, f32, f32, 1, [&](std::int64_t) { return Tile{f32, a.data(), bb, want.data()}; }) ||
-      !run_tiles(1, narrow, narrow, 1, [&](std::int64_t) { return Tile{narrow, a.data(), bb, got.data()}; }))
+  if (!run_tiles(1, f32, f32, 1,
+                 [&](std::int64_t) { return Tile{f32, o.a.data(), o.read_b, want.data()}; }) ||
+      !run_tiles(1, narrow, narrow, 1,
+                 [&](std::int64_t) { return Tile{narrow, o.a.data(), o.read_b, got.data()}; }))
     return std::nullopt;
   for (std::int64_t i = 0; i < kBf16TileRows; ++i) {
     const std::uint16_t* row = got.data() + i * s.ldc;

@@ -74,6 +74,22 @@ def test_every_small_row_count_equals_one_call(hidden, d, dtype):
     assert torch.equal(cache, cache2)
 
 
+def _last_sequence(parts, wkv, wgate, ape, coff, dc):
+    """The forward output rows and d_x of the last of `parts`, TH sequences of one call whose upstream
+    gradient is dc on the last sequence's compressed rows and 0 elsewhere."""
+    lens = [p.shape[0] for p in parts]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    x = torch.cat(parts).requires_grad_()
+    cache = torch.zeros(1, R, 2 * coff * D)
+    table = torch.zeros(len(lens), -(-max(lens) // R), dtype=torch.int32)
+    out = kt.compressor(x, wkv, wgate, cache, ape, R, state_block_table=table, cu_seqlens=cu, coff=coff)
+    before = sum(n // R for n in lens[:-1])
+    up = torch.zeros_like(out)
+    up[before:before + dc.shape[0]] = dc
+    (out.float() * up.float()).sum().backward()
+    return out[before:before + dc.shape[0]].detach(), x.grad[-lens[-1]:]
+
+
 @pytest.mark.parametrize("coff", [1, 2])
 @pytest.mark.parametrize("other", [1, 7, 15, 16, 63, 250, 1021])
 def test_sequence_alone_or_after_others(coff, other):
@@ -84,21 +100,8 @@ def test_sequence_alone_or_after_others(coff, other):
     xa = torch.randn(other, H, generator=g).bfloat16()
     dc = torch.randn(37 // R, D, generator=g).bfloat16()
 
-    def run(parts):
-        lens = [p.shape[0] for p in parts]
-        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-        x = torch.cat(parts).requires_grad_()
-        cache = torch.zeros(1, R, 2 * coff * D)
-        table = torch.zeros(len(lens), -(-max(lens) // R), dtype=torch.int32)
-        out = kt.compressor(x, wkv, wgate, cache, ape, R, state_block_table=table, cu_seqlens=cu, coff=coff)
-        before = sum(n // R for n in lens[:-1])
-        up = torch.zeros_like(out)
-        up[before:before + dc.shape[0]] = dc
-        (out.float() * up.float()).sum().backward()
-        return out[before:before + dc.shape[0]].detach(), x.grad[-37:]
-
-    out1, dx1 = run([xb])
-    out2, dx2 = run([xa, xb])
+    out1, dx1 = _last_sequence([xb], wkv, wgate, ape, coff, dc)
+    out2, dx2 = _last_sequence([xa, xb], wkv, wgate, ape, coff, dc)
     assert torch.equal(out1, out2)
     assert torch.equal(dx1, dx2)
 
@@ -120,23 +123,10 @@ def test_d_x_of_whole_tiles_equals_a_ragged_call(precision, coff, hidden, lens, 
     xa = torch.randn(other, hidden, generator=g).bfloat16()
     dc = torch.randn(lens // R, D, generator=g).bfloat16()
 
-    def run(parts):
-        sizes = [p.shape[0] for p in parts]
-        cu = torch.tensor([0] + torch.tensor(sizes).cumsum(0).tolist(), dtype=torch.int32)
-        x = torch.cat(parts).requires_grad_()
-        cache = torch.zeros(1, R, 2 * coff * D)
-        table = torch.zeros(len(sizes), -(-max(sizes) // R), dtype=torch.int32)
-        out = kt.compressor(x, wkv, wgate, cache, ape, R, state_block_table=table, cu_seqlens=cu, coff=coff)
-        before = sum(n // R for n in sizes[:-1])
-        up = torch.zeros_like(out)
-        up[before:before + dc.shape[0]] = dc
-        up[:before] = 1.0  # the other sequence has gradient too
-        out.backward(up)
-        return x.grad[-lens:]
-
     previous = kvcomp.set_default_options(precision=precision)
     try:
-        alone, after = run([xb]), run([xa, xb])
+        _, alone = _last_sequence([xb], wkv, wgate, ape, coff, dc)
+        _, after = _last_sequence([xa, xb], wkv, wgate, ape, coff, dc)
     finally:
         kvcomp.set_default_options(**previous)
     assert alone.abs().sum() > 0
