@@ -163,16 +163,18 @@ void split_to_bf16(const float* dnew, std::int64_t ld, std::int64_t rows, std::i
                    std::uint16_t* const dn[2], std::int64_t ld_dn, std::uint16_t* const dnt[2],
                    std::int64_t c2p, std::int64_t ld_t, bool with_lo, int num_threads) {
   const int parts = with_lo ? 2 : 1;
+  if (dnew) {
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (std::int64_t i = 0; i < (dnew ? rows : 0); ++i) {
-    const float* v = dnew + i * ld;
-    std::uint16_t* hi = dn[0] + i * ld_dn;
-    from_f32(v, hi, DType::bf16, c2);
-    if (with_lo) {
-      std::uint16_t* lo = dn[1] + i * ld_dn;
-      for (std::int64_t c = 0; c < c2; ++c) {
-        const float h = bf16_to_float(hi[c]);
-        lo[c] = std::isfinite(h) ? float_to_bf16(v[c] - h) : std::uint16_t{0};
+    for (std::int64_t i = 0; i < rows; ++i) {
+      const float* v = dnew + i * ld;
+      std::uint16_t* hi = dn[0] + i * ld_dn;
+      from_f32(v, hi, DType::bf16, c2);
+      if (with_lo) {
+        std::uint16_t* lo = dn[1] + i * ld_dn;
+        for (std::int64_t c = 0; c < c2; ++c) {
+          const float h = bf16_to_float(hi[c]);
+          lo[c] = std::isfinite(h) ? float_to_bf16(v[c] - h) : std::uint16_t{0};
+        }
       }
     }
   }
