@@ -133,7 +133,9 @@ struct ForwardArgs : SequenceArgs {
   std::int64_t state_cache_stride0 = 0;     // element stride of state_cache dim 0; 0: contiguous
   bool grad_enabled = false;
   // Optional (CPU): this call's wkv and wgate as prepare_weights() wrote them, and that blob's size.
-  // The call then skips converting or packing the weights; its outputs are bitwise the same.
+  // The call then skips converting or packing the weights; its outputs are bitwise the same, and its
+  // plan sizes no workspace for what the blob holds (execute refuses a blob that holds less than the
+  // one planned with: plan again).
   const void* prepared_weights = nullptr;
   std::size_t prepared_weights_bytes = 0;
 

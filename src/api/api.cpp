@@ -338,7 +338,10 @@ Status prepare_weights(const Tensor& wkv, const Tensor& wgate, void* blob, std::
 Status plan_forward(const ForwardArgs& args, const Options& options, ForwardPlan* plan) {
   if (!plan) return {StatusCode::null_pointer, "[kvcomp] plan must not be null"};
   return make_plan(
-      args, options, "forward", validate_forward_call, detail::forward_workspace_size,
+      args, options, "forward", validate_forward_call,
+      [&args](const detail::Dims& d, const Options&, int threads) {
+        return detail::forward_workspace_size(d, args.prepared_weights, threads);
+      },
       [](ForwardPlanState& st, const detail::BlockPlan& bp) {
 #ifdef KVCOMP_HAVE_CUDA
         return detail::cuda::prepare_forward(st.args, st.options, bp, st.index.block_table, &st.device_plan,

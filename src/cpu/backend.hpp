@@ -24,8 +24,9 @@ constexpr std::int64_t kChunkRows = 1024;
 inline std::int64_t padded_ld(std::int64_t n) { return (n + 15) / 16 * 16 + 16; }
 
 // Workspace bytes for a call run with num_threads threads (execute uses the
-// thread count resolved when planning).
-std::size_t forward_workspace_size(const Dims& d, const Options& options, int num_threads);
+// thread count resolved when planning). The forward's depends on its prepared_weights (null: none;
+// validated): no room for the form of the weights the blob holds.
+std::size_t forward_workspace_size(const Dims& d, const void* prepared_weights, int num_threads);
 std::size_t backward_workspace_size(const Dims& d, const Options& options, int num_threads);
 
 // workspace_size: the size planned (the run refuses if its own layout needs

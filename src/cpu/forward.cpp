@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <cstring>
 #include <optional>
+#include <string>
 
 #include "cpu/backend.hpp"
 #include "cpu/block_phases.hpp"
@@ -42,7 +43,8 @@ struct ForwardBuffers {
   // The two projection products on the bf16 units: [n, H] . [H, C] into a column half of proj.
   static Bf16Shape bf16_shape(const Dims& d) { return projection_shape(d.C, d.H); }
 
-  ForwardBuffers(const Dims& d, int num_threads, void* base) {
+  // `prepared`: the call's prepared_weights (prepared_view; all null without): no room for what it holds.
+  ForwardBuffers(const Dims& d, const PreparedView& prepared, int num_threads, void* base) {
     WorkspaceLayout ws(base);
     // Rp: the chunk's rows padded for a row-stable product (gemm.hpp, gemm_bf16.hpp).
     const std::int64_t R = std::min(kChunkRows, std::max<std::int64_t>(d.T, 1));
@@ -54,20 +56,22 @@ struct ForwardBuffers {
     const std::size_t packed = p.packed_bytes;
     ok = !bf16 || p.ok;  // oneDNN could not make the product (out of memory): the call fails
     if (bf16) {          // the bf16 products read x and the (packed) weights: no fp32 copies
-      if (packed > 0) {
+      if (packed > 0 && !prepared.kv) {  // the blob holds them packed otherwise
         packed_kv = ws.take<unsigned char>(static_cast<std::int64_t>(packed));
         packed_gate = ws.take<unsigned char>(static_cast<std::int64_t>(packed));
       }
       xb = ws.take<std::uint16_t>(Rp * d.H);
-      if (packed == 0 && d.T >= kPanelCallRows && bf16_decode_panels_wanted() && d.C % 16 == 0)
+      if (packed == 0 && !prepared.kv_panels && d.T >= kPanelCallRows && bf16_decode_panels_wanted() &&
+          d.C % 16 == 0)
         panels = ws.take<std::uint16_t>(2 * static_cast<std::int64_t>(bf16_panel_elements(d.C, d.H)));
     } else {
       // A call of one row tile (decode) widens the weights tile by tile, in the caches; a longer one
-      // reads each column tile once per row tile, so it widens them once, whole.
-      if (gemm_one_column_pass(gemm_padded_rows(R, true)))
+      // reads each column tile once per row tile, so it widens them once, whole; a blob holds them
+      // widened.
+      if (!prepared.kv && gemm_one_column_pass(gemm_padded_rows(R, true)))
         widen =
             ws.take<float>(static_cast<std::int64_t>(gemm_widen_scratch_floats(2 * d.C, ld_h, num_threads)));
-      else
+      else if (!prepared.kv)
         wcat = ws.take<float>(2 * d.C * ld_h);
       xf = ws.take<float>(Rp * ld_h);
     }
@@ -102,8 +106,9 @@ void zero_padding_rows(const ForwardArgs& args, const BlockPlan& plan) {
 
 }  // namespace
 
-std::size_t forward_workspace_size(const Dims& d, const Options& /*options*/, int num_threads) {
-  return ForwardBuffers(d, num_threads, nullptr).size;
+std::size_t forward_workspace_size(const Dims& d, const void* prepared_weights, int num_threads) {
+  const PreparedView prepared = prepared_weights ? prepared_view(prepared_weights) : PreparedView{};
+  return ForwardBuffers(d, prepared, num_threads, nullptr).size;
 }
 
 Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threads, void* workspace,
@@ -112,14 +117,18 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
   if (d.T == 0) return Status::success();  // empty input: nothing computed, cache untouched
   PhaseLaps laps(0);
   const std::int64_t H = d.H, C = d.C;
-  ForwardBuffers buf(d, num_threads, WorkspaceLayout::align(workspace));
-  if (!buf.ok || buf.size > workspace_size)
-    return {StatusCode::runtime_error, "[kvcomp] oneDNN could not create the bf16 projection product"};
-  const std::size_t io_size = dtype_size(d.io);
   // The weights as the products read them: from prepare_weights() when the call names its result
   // (checked by execute's validation just before; the same bytes as below, made once for many
   // calls), else packed or converted now.
   const PreparedView prepared = args.prepared_weights ? prepared_view(args.prepared_weights) : PreparedView{};
+  ForwardBuffers buf(d, prepared, num_threads, WorkspaceLayout::align(workspace));
+  if (!buf.ok)
+    return {StatusCode::runtime_error, "[kvcomp] oneDNN could not create the bf16 projection product"};
+  if (buf.size > workspace_size)  // planned for a blob that held more than the one named now
+    return {StatusCode::invalid_param, "[kvcomp] workspace_size (= " + std::to_string(workspace_size) +
+                                           ") must be >= " + std::to_string(buf.size) +
+                                           " bytes for the prepared_weights named now: plan the call again"};
+  const std::size_t io_size = dtype_size(d.io);
   const void* b_kv = args.wkv.data;
   const void* b_gate = args.wgate.data;
   const float* wcat = buf.wcat;

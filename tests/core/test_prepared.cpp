@@ -3,6 +3,7 @@
 // not belong to the call is refused before anything is written.
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -254,6 +255,94 @@ TEST(PreparedDecode, RawSixteenBitWeightsGiveThePreparedBits) {
             << (io == DType::f16 ? "fp16" : "bf16") << ", B = " << B << ", D = " << D;
         EXPECT_TRUE(same_bits(plain.cache, prepared.cache));
       }
+}
+
+
+// A forward that names prepared weights plans no workspace for the form of the weights the blob holds
+// (fp32 rows, AMX's packed B or the AVX-512 panels of a long bf16 call), runs in exactly the size planned
+// with the bits of the call without, and refuses, before writing, a blob swapped after planning for one
+// that holds less.
+struct PreparedWorkspace : ::testing::Test {
+  // One sequence of 1024 tokens: a long call (per-call panels from 128 rows, fp32 rows widened whole).
+  static SweepCase long_case(DType io) {
+    SweepCase c = decode_case(1, 512, 64, 1, {0});
+    c.S = 1024;
+    c.io = io;
+    return c;
+  }
+  static std::size_t planned(const ForwardArgs& args) {
+    ForwardPlan plan;
+    const Status s = plan_forward(args, Options{}, &plan);
+    EXPECT_TRUE(s.ok()) << s.message;
+    return plan.workspace_size();
+  }
+};
+
+TEST_F(PreparedWorkspace, NoRoomForWhatTheBlobHolds) {
+  for (const DType io : {DType::f16, DType::bf16}) {
+    const SweepCase c = long_case(io);
+    auto rc = make_random_case(c.options(), c.forward_seed);
+    round_io_inputs(rc.in, c.io);
+    ForwardRun plain(rc.problem, rc.in, c.io), prepared(rc.problem, rc.in, c.io);
+    std::vector<unsigned char> blob;
+    prepare(prepared, blob);
+    const std::size_t without = planned(plain.args), with = planned(prepared.args);
+    const std::string what = io == DType::f16 ? "fp16" : "bf16";
+    const auto C = static_cast<std::size_t>(rc.problem.C()), H = static_cast<std::size_t>(c.H);
+    if (io == DType::f16)  // fp32 products everywhere: the blob holds the [2C, H] fp32 rows
+      EXPECT_GE(without, with + 2 * C * H * sizeof(float)) << what;
+    else if (blob.size() > 64)  // packed (AMX), AVX-512 panels or fp32 rows: room the call no longer needs
+      EXPECT_LT(with, without) << what;
+    else  // bf16 units reading the weights where they lie, no panels: nothing to leave out
+      EXPECT_EQ(with, without) << what;
+
+    ForwardPlan plan;
+    ASSERT_TRUE(plan_forward(prepared.args, Options{}, &plan).ok());
+    std::vector<unsigned char> ws(plan.workspace_size());
+    const Status s = execute(plan, ws.data(), ws.size());
+    ASSERT_TRUE(s.ok()) << what << ": " << s.message;
+    ASSERT_TRUE(plain.run().ok());
+    EXPECT_TRUE(same_bits(plain.cmp_kv, prepared.cmp_kv)) << what;
+    EXPECT_TRUE(same_bits(plain.softmax_score, prepared.softmax_score)) << what;
+    EXPECT_TRUE(same_bits(plain.cache, prepared.cache)) << what;
+  }
+}
+
+TEST_F(PreparedWorkspace, ABlobSwappedForOneWithoutPanelsIsRefused) {
+  const SweepCase c = long_case(DType::bf16);
+  auto rc = make_random_case(c.options(), c.forward_seed);
+  round_io_inputs(rc.in, c.io);
+  ForwardRun run(rc.problem, rc.in, c.io);
+  std::vector<unsigned char> blob;
+  prepare(run, blob);
+  std::uint32_t kind = 0;
+  std::memcpy(&kind, blob.data() + 8, sizeof kind);  // the header's kind: 0 = in place (prepared.hpp)
+  if (kind != 0 || blob.size() == 64)
+    GTEST_SKIP() << "this machine's bf16 blob holds no AVX-512 panels (prepared.hpp: in_place kind)";
+  ForwardPlan plan;
+  ASSERT_TRUE(plan_forward(run.args, Options{}, &plan).ok());
+  std::vector<unsigned char> ws(plan.workspace_size());
+  // The same header without the panels (data and panel bytes 0), as prepare_weights writes it under
+  // KVCOMP_DECODE_PANELS=0: a valid blob, for which the call writes the panels into its workspace.
+  std::vector<unsigned char> bare(blob.begin(), blob.begin() + 64);
+  std::memset(bare.data() + 40, 0, 16);
+  run.args.prepared_weights = bare.data();
+  run.args.prepared_weights_bytes = bare.size();
+  EXPECT_GT(planned(run.args), ws.size());
+  const auto out = run.cmp_kv.half;
+  const auto cache = run.cache.f32;
+  // Execute reads the blob the plan's args point at: its header swapped in place (the panels' bytes
+  // after it are then unused).
+  const std::vector<unsigned char> header(blob.begin(), blob.begin() + 64);
+  std::memcpy(blob.data(), bare.data(), bare.size());
+  const Status s = execute(plan, ws.data(), ws.size());
+  EXPECT_EQ(s.code, StatusCode::invalid_param) << s.message;
+  EXPECT_NE(s.message.find("plan the call again"), std::string::npos) << s.message;
+  EXPECT_EQ(run.cmp_kv.half, out);
+  EXPECT_EQ(run.cache.f32, cache);
+  // With the panels back, the same plan runs.
+  std::memcpy(blob.data(), header.data(), header.size());
+  EXPECT_TRUE(execute(plan, ws.data(), ws.size()).ok());
 }
 
 }  // namespace
