@@ -170,7 +170,8 @@ SoftmaxRun run_softmax(const SimdKernels& kern, const Block& b, i64 w, bool plac
 
 TEST_P(Simd, SoftmaxMatchesFloat64StdExp) {
   for (i64 cr : {1, 2, 8, 256}) {
-    for (i64 w : {kSoftmaxChunk, kSlice, i64{5}, i64{100}}) {
+    // kSoftmaxChunk, 128, 64 and 32: the widths compiled for (one thread's columns of D = 512 or 128).
+    for (i64 w : {kSoftmaxChunk, i64{128}, i64{64}, i64{32}, kSlice, i64{5}, i64{100}}) {
       for (bool holes : {false, true}) {
         if (holes && cr < 2) continue;
         const Block b(cr, w + 24, static_cast<unsigned>(cr * 100 + w));
@@ -299,7 +300,7 @@ TEST_P(Simd, BitwiseEqualToScalarVariant) {
   const SimdKernels& ref = simd_kernels(Isa::scalar);
   for (i64 cr : {3, 8, 512}) {
     const Block b(cr, kSoftmaxChunk + 8, static_cast<unsigned>(cr));
-    for (i64 w : {kSoftmaxChunk, kSlice, i64{7}, i64{100}}) {
+    for (i64 w : {kSoftmaxChunk, i64{128}, i64{64}, i64{32}, kSlice, i64{7}, i64{100}}) {
       for (DType io : {DType::f32, DType::bf16, DType::f16}) {
         const SoftmaxRun a = run_softmax(k(), b, w, cr > 3, io), s = run_softmax(ref, b, w, cr > 3, io);
         ASSERT_EQ(std::memcmp(a.s_out.data(), s.s_out.data(), a.s_out.size() * sizeof(float)), 0);
