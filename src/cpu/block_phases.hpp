@@ -8,7 +8,9 @@
 // one thread in a fixed (batch, block, slot) order, so results, including the
 // d_ape sums, are bitwise independent of the thread count; and for the
 // forward, cache reads and writes of one column happen in the spec's batch
-// order (writes of a batch before the reads of its blocks).
+// order (writes of a batch before the reads of its blocks). Where a thread's
+// columns would be narrow, the forward deals whole blocks instead when no slot
+// aliases (every element still computed by one thread, alike).
 #pragma once
 
 #include <cstdint>
@@ -51,20 +53,31 @@ struct ForwardBlockIo {
   void* cmp_kv = nullptr;          // io dtype [out_rows, D]
   float* softmax_score = nullptr;  // may be null
   float* kv = nullptr;             // may be null
-  // Scratch: forward_scratch_bytes() for each of block_phase_threads() threads.
+  // Scratch: forward_scratch_bytes() for each of forward_block_threads() threads.
   void* scratch = nullptr;
+  // No cache slot that the call writes is also read or written again by it (cache_slots_alias false):
+  // forward_blocks may then deal whole blocks to the threads.
+  bool blocks_may_split = false;
 };
 
 // Per-thread scratch bytes of forward_blocks (a multiple of 64).
 std::size_t forward_scratch_bytes(const Dims& d);
 // Threads forward_blocks and backward_blocks use: num_threads, at most one per column slice.
 int block_phase_threads(const Dims& d, int num_threads);
+// Whether a thread's run of columns would be narrow (under two slices) or leave threads idle, so that
+// forward_blocks deals whole blocks to the threads where it may (ForwardBlockIo::blocks_may_split).
+bool forward_columns_narrow(const Dims& d, int num_threads);
+// Threads forward_blocks may use (the scratch it needs): block_phase_threads, or all num_threads where
+// forward_columns_narrow.
+int forward_block_threads(const Dims& d, int num_threads);
 
 // Adds ape to the score projections of used tokens of rows [a, b).
 void add_ape(const BlockPlan& plan, const float* ape, float* proj, std::int64_t proj_first,
              std::int64_t proj_ld, std::int64_t a, std::int64_t b, int num_threads);
 
-// Cache writes of rows [a, b) and the blocks whose last row lies in [a, b).
+// Cache writes of rows [a, b) and the blocks whose last row lies in [a, b): in column runs per thread, or,
+// where a thread's columns would be narrow (under two slices), the slots aliasing-free and the chunk
+// holds two blocks per thread, in shares of the rows and of the blocks per thread. Bitwise the same.
 void forward_blocks(const BlockPlan& plan, const ForwardBlockIo& io, std::int64_t a, std::int64_t b,
                     int num_threads);
 

@@ -77,7 +77,7 @@ struct ForwardBuffers {
     }
     proj = ws.take<float>((d.coff * d.r + Rp) * ld_c2);
     scratch = ws.take<unsigned char>(static_cast<std::int64_t>(forward_scratch_bytes(d)) *
-                                     block_phase_threads(d, num_threads));
+                                     forward_block_threads(d, num_threads));
     size = ws.size();
   }
 };
@@ -181,6 +181,17 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
   io.softmax_score = args.grad_enabled ? static_cast<float*>(args.softmax_score.data) : nullptr;
   io.kv = args.grad_enabled ? static_cast<float*>(args.kv.data) : nullptr;
   io.scratch = buf.scratch;
+  // Whole blocks may be dealt to the threads (forward_blocks) where no slot the call writes is also
+  // read or written again by it; the check reads the block table once (allocates: before any write).
+  if (forward_columns_narrow(d, num_threads) && plan.total_blocks >= 2 * num_threads) {
+    CacheGeometry g;
+    g.block_num = args.state_cache.dim(0);
+    g.block_size = io.block_size;
+    g.cache_mode = io.cache_mode;
+    g.table = io.block_table;
+    g.table_cols = io.table_cols;
+    io.blocks_may_split = !cache_slots_alias(plan, g);
+  }
 
   io.proj_ld = buf.ld_c2;
   const std::int64_t carry = d.coff * d.r;  // rows of the previous chunk a block may still need

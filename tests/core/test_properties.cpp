@@ -3,9 +3,11 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "harness.hpp"
@@ -96,6 +98,37 @@ TEST(Determinism, ForwardBitwiseAcrossThreadCounts) {
   auto rc = make_random_case(chunked_case(), 6);
   round_io_inputs(rc.in, DType::f16);
   expect_forward_bits_across_threads(rc, DType::f16);
+}
+
+// Narrow column runs (D of one to three 16-column slices: under two per thread): the forward deals whole
+// blocks to the threads where no cache slot aliases, and keeps its column walk where slots do (batch 1
+// given batch 0's cache blocks). Either way the bits of the column walk on one thread.
+TEST(Determinism, NarrowColumnsBitwiseAcrossThreadCounts) {
+  std::uint64_t seed = 40;
+  for (const std::int64_t D : {16, 40})
+    for (const int mode : {1, 2})
+      for (const bool th : {false, true})
+        for (const bool alias : {false, true}) {
+          RandomOptions o;
+          o.th = th;
+          o.B = 4;
+          o.S = 300;
+          o.H = 24;
+          o.D = D;
+          o.cache_mode = mode;
+          o.block_size = 16;
+          o.max_start_pos = 9;
+          auto rc = make_random_case(o, ++seed);
+          if (alias) {  // batch 1 reads and writes the cache blocks of batch 0
+            auto& table = rc.in.cache.block_table;
+            const auto cols = static_cast<std::ptrdiff_t>(rc.in.cache.table_cols);
+            std::copy(table.begin(), table.begin() + cols, table.begin() + cols);
+          }
+          round_io_inputs(rc.in, DType::bf16);
+          SCOPED_TRACE("D " + std::to_string(D) + ", cache mode " + std::to_string(mode) +
+                       (th ? ", TH" : ", BSH") + (alias ? ", aliased slots" : ""));
+          expect_forward_bits_across_threads(rc, DType::bf16);
+        }
 }
 
 // Rows of H = 200 and C = 80 span more than one 64-column block of oneDNN's packed layout, so where B is
