@@ -236,7 +236,7 @@ void forward_blocks(const BlockPlan& plan, const ForwardBlockIo& io, std::int64_
   // writes and reads (io.blocks_may_split): then no block reads what another thread writes, and every
   // output element is computed as in the column walk below, by one thread, so the bits do not change.
   std::int64_t blocks = 0;
-  if (io.blocks_may_split && forward_columns_narrow(dm, num_threads))
+  if (io.blocks_may_split)
     for (std::size_t bi = first; bi < nb && plan.batches[bi].base < b; ++bi) {
       const BlockRange kr = chunk_blocks(dm, plan.batches[bi], a, b);
       blocks += std::max<std::int64_t>(0, kr.last - kr.first + 1);

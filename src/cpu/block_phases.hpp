@@ -55,8 +55,9 @@ struct ForwardBlockIo {
   float* kv = nullptr;             // may be null
   // Scratch: forward_scratch_bytes() for each of forward_block_threads() threads.
   void* scratch = nullptr;
-  // No cache slot that the call writes is also read or written again by it (cache_slots_alias false):
-  // forward_blocks may then deal whole blocks to the threads.
+  // Set where forward_columns_narrow, the call has two blocks per thread, and no cache slot that it
+  // writes is also read or written again by it (cache_slots_alias false): forward_blocks may then deal
+  // whole blocks to the threads.
   bool blocks_may_split = false;
 };
 

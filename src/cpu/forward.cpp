@@ -68,11 +68,13 @@ struct ForwardBuffers {
       // A call of one row tile (decode) widens the weights tile by tile, in the caches; a longer one
       // reads each column tile once per row tile, so it widens them once, whole; a blob holds them
       // widened.
-      if (!prepared.kv && gemm_one_column_pass(gemm_padded_rows(R, true)))
-        widen =
-            ws.take<float>(static_cast<std::int64_t>(gemm_widen_scratch_floats(2 * d.C, ld_h, num_threads)));
-      else if (!prepared.kv)
-        wcat = ws.take<float>(2 * d.C * ld_h);
+      if (!prepared.kv) {
+        if (gemm_one_column_pass(gemm_padded_rows(R, true)))
+          widen = ws.take<float>(
+              static_cast<std::int64_t>(gemm_widen_scratch_floats(2 * d.C, ld_h, num_threads)));
+        else
+          wcat = ws.take<float>(2 * d.C * ld_h);
+      }
       xf = ws.take<float>(Rp * ld_h);
     }
     proj = ws.take<float>((d.coff * d.r + Rp) * ld_c2);
