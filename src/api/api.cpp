@@ -145,7 +145,7 @@ Status make_plan(const Args& args, const Options& options, const char* op, Valid
       if (auto s = prepare(*st, bp); !s.ok()) return s;
     } else {
       st->threads = resolve_threads(options);
-      st->workspace = workspace_size(bp.dims, options, st->threads);
+      if (auto s = workspace_size(bp.dims, options, st->threads, &st->workspace); !s.ok()) return s;
     }
     out = std::move(st);
     return Status::success();
@@ -339,8 +339,8 @@ Status plan_forward(const ForwardArgs& args, const Options& options, ForwardPlan
   if (!plan) return {StatusCode::null_pointer, "[kvcomp] plan must not be null"};
   return make_plan(
       args, options, "forward", validate_forward_call,
-      [&args](const detail::Dims& d, const Options&, int threads) {
-        return detail::forward_workspace_size(d, args.prepared_weights, threads);
+      [&args](const detail::Dims& d, const Options&, int threads, std::size_t* size) {
+        return detail::forward_workspace_size(d, args.prepared_weights, threads, size);
       },
       [](ForwardPlanState& st, const detail::BlockPlan& bp) {
 #ifdef KVCOMP_HAVE_CUDA

@@ -23,11 +23,14 @@ constexpr std::int64_t kChunkRows = 1024;
 // speed (measured: 70 vs 145 GFLOP/s on 2 cores).
 inline std::int64_t padded_ld(std::int64_t n) { return (n + 15) / 16 * 16 + 16; }
 
-// Workspace bytes for a call run with num_threads threads (execute uses the
-// thread count resolved when planning). The forward's depends on its prepared_weights (null: none;
-// validated): no room for the form of the weights the blob holds.
-std::size_t forward_workspace_size(const Dims& d, const void* prepared_weights, int num_threads);
-std::size_t backward_workspace_size(const Dims& d, const Options& options, int num_threads);
+// Workspace bytes (*size) for a call run with num_threads threads (execute uses the thread count
+// resolved when planning). The forward's depends on its prepared_weights (null: none; validated): no
+// room for the form of the weights the blob holds. Fails (runtime_error) where oneDNN cannot make the
+// call's bf16 products now, e.g. out of memory: their packed sizes are part of the size, and a plan
+// sized without them would not fit the call that execute runs.
+Status forward_workspace_size(const Dims& d, const void* prepared_weights, int num_threads,
+                              std::size_t* size);
+Status backward_workspace_size(const Dims& d, const Options& options, int num_threads, std::size_t* size);
 
 // workspace_size: the size planned (the run refuses if its own layout needs
 // more: the bf16 products' packed sizes are queried from oneDNN again, and a

@@ -17,6 +17,8 @@ namespace kvcomp::detail {
 
 namespace {
 
+constexpr const char* kNoBf16Products = "[kvcomp] oneDNN could not create the bf16 products of the backward";
+
 struct BackwardBuffers {
   std::int64_t R, ld_h, ld_c2, ld_r;  // chunk rows and padded leading dimensions
   float* wcat = nullptr;              // [2C, ld_h]: wkv rows then wgate rows, fp32 (fp32 products)
@@ -204,8 +206,12 @@ void zero_bytes(void* p, std::int64_t elements, std::size_t elem_size) {
 
 }  // namespace
 
-std::size_t backward_workspace_size(const Dims& d, const Options& options, int /*num_threads*/) {
-  return BackwardBuffers(d, options.precision, nullptr).size;
+Status backward_workspace_size(const Dims& d, const Options& options, int /*num_threads*/,
+                               std::size_t* size) {
+  const BackwardBuffers buf(d, options.precision, nullptr);
+  if (!buf.ok) return {StatusCode::runtime_error, kNoBf16Products};
+  *size = buf.size;
+  return Status::success();
 }
 
 Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision precision, int num_threads,
@@ -225,8 +231,7 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
   }
 
   BackwardBuffers buf(d, precision, WorkspaceLayout::align(workspace));
-  if (!buf.ok || buf.size > workspace_size)
-    return {StatusCode::runtime_error, "[kvcomp] oneDNN could not create the bf16 products of the backward"};
+  if (!buf.ok || buf.size > workspace_size) return {StatusCode::runtime_error, kNoBf16Products};
   if (buf.bf16) {
     // [wkv ; wgate] as one matrix, the threads copying runs of rows (2 C H values, 16 MiB for C4A).
     const auto* wkv = static_cast<const std::uint16_t*>(args.wkv.data);

@@ -84,6 +84,8 @@ struct ForwardBuffers {
   }
 };
 
+constexpr const char* kNoBf16Product = "[kvcomp] oneDNN could not create the bf16 projection product";
+
 // Zeroes output rows that hold no block (the NPU leaves them unwritten).
 void zero_padding_rows(const ForwardArgs& args, const BlockPlan& plan) {
   const Dims& d = plan.dims;
@@ -108,9 +110,13 @@ void zero_padding_rows(const ForwardArgs& args, const BlockPlan& plan) {
 
 }  // namespace
 
-std::size_t forward_workspace_size(const Dims& d, const void* prepared_weights, int num_threads) {
+Status forward_workspace_size(const Dims& d, const void* prepared_weights, int num_threads,
+                              std::size_t* size) {
   const PreparedView prepared = prepared_weights ? prepared_view(prepared_weights) : PreparedView{};
-  return ForwardBuffers(d, prepared, num_threads, nullptr).size;
+  const ForwardBuffers buf(d, prepared, num_threads, nullptr);
+  if (!buf.ok) return {StatusCode::runtime_error, kNoBf16Product};
+  *size = buf.size;
+  return Status::success();
 }
 
 Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threads, void* workspace,
@@ -124,8 +130,7 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
   // calls), else packed or converted now.
   const PreparedView prepared = args.prepared_weights ? prepared_view(args.prepared_weights) : PreparedView{};
   ForwardBuffers buf(d, prepared, num_threads, WorkspaceLayout::align(workspace));
-  if (!buf.ok)
-    return {StatusCode::runtime_error, "[kvcomp] oneDNN could not create the bf16 projection product"};
+  if (!buf.ok) return {StatusCode::runtime_error, kNoBf16Product};
   if (buf.size > workspace_size)  // planned for a blob that held more than the one named now
     return {StatusCode::invalid_param, "[kvcomp] workspace_size (= " + std::to_string(workspace_size) +
                                            ") must be >= " + std::to_string(buf.size) +
