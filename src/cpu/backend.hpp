@@ -34,7 +34,8 @@ Status backward_workspace_size(const Dims& d, const Options& options, int num_th
 
 // workspace_size: the size planned (the run refuses if its own layout needs
 // more: the bf16 products' packed sizes are queried from oneDNN again, and a
-// query that failed once, e.g. out of memory, must never overflow the buffer).
+// forward's blob may have been swapped for one that holds less: the buffer is
+// never overflowed).
 Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threads, void* workspace,
                    std::size_t workspace_size);
 Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision precision, int num_threads,

@@ -12,13 +12,7 @@ Status prepare_forward(const ForwardArgs& args, const Options& options, const Bl
   if (auto s = build_device_plan(plan, args.x.device, options.stream, kForwardChunkRows, true, dp.get());
       !s.ok())
     return s;
-  CacheGeometry cache;
-  cache.block_num = args.state_cache.dim(0);
-  cache.block_size = args.state_cache.dim(1);
-  cache.cache_mode = static_cast<int>(args.cache_mode);
-  cache.table = block_table.data();
-  cache.table_cols = args.cache_mode == 1 ? args.state_block_table->dim(1) : 1;
-  dp->serial = cache_slots_alias(plan, cache);
+  dp->serial = cache_slots_alias(plan, cache_geometry(args, block_table.data()));
   *workspace = ForwardBuffers(plan.dims, nullptr).size;
   *out = std::move(dp);
   return Status::success();

@@ -101,6 +101,16 @@ bool overlaps(const SlotRange& a, const SlotRange& b) { return a.id == b.id && a
 
 }  // namespace
 
+CacheGeometry cache_geometry(const ForwardArgs& args, const std::int32_t* table) {
+  CacheGeometry g;
+  g.block_num = args.state_cache.dim(0);
+  g.block_size = args.state_cache.dim(1);
+  g.cache_mode = static_cast<int>(args.cache_mode);
+  g.table = table;
+  g.table_cols = args.cache_mode == 1 ? args.state_block_table->dim(1) : 1;
+  return g;
+}
+
 bool cache_slots_alias(const BlockPlan& plan, const CacheGeometry& g) {
   const Dims& d = plan.dims;
   std::vector<SlotRange> writes, reads;

@@ -68,6 +68,9 @@ struct CacheGeometry {
 // with it, the spec's order (batch after batch, a batch's writes before its
 // reads) decides. The plan and table must have passed validation.
 bool cache_slots_alias(const BlockPlan& plan, const CacheGeometry& cache);
+// The geometry of a forward call's cache, its block table read from `table` (host data of
+// args.state_block_table: the tensor itself, or a copy of device memory).
+CacheGeometry cache_geometry(const ForwardArgs& args, const std::int32_t* table);
 
 // Row source of slot (half c, slot t) of block k in batch span `bs`:
 // position p = k*r + t - (coff-1-c)*r. Fresh when p >= sp.
