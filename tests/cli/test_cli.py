@@ -44,8 +44,8 @@ def _binary_exists():
         f"kvcomp executable not found at {KVCOMP} (set KVCOMP_BIN)")
 
 
-def run_kvcomp(*args, timeout=300):
-    return subprocess.run([KVCOMP, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+def run_kvcomp(*args, timeout=300, env=None):
+    return subprocess.run([KVCOMP, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def run_ok(*args):
@@ -861,12 +861,16 @@ def test_bench_json_and_both_modes(tmp_path):
     rounds, and the file holds every row of the table with the same figures; the options' misuses are
     refused before any timing."""
     out = tmp_path / "bench.json"
+    # Without --threads the bench takes OpenMP's default, here set by OMP_NUM_THREADS (the machine's core
+    # count otherwise, which a test cannot assume).
     r = run_kvcomp("bench", "--preset", "C4Li", "--tokens", "256", "--hidden", "64", "--varlen", "4",
-                   "--decode", "1", "8", "--repeat", "1", "--both-modes", "--json", out)
+                   "--decode", "1", "8", "--repeat", "1", "--both-modes", "--json", out,
+                   env=dict(os.environ, OMP_NUM_THREADS="3"))
     assert r.returncode == 0, r.stderr
     doc = json.loads(out.read_text())
-    assert (doc["threads"], doc["hidden"], doc["io"], doc["mode"], doc["both_modes"]) == (2, 64, "bf16",
+    assert (doc["threads"], doc["hidden"], doc["io"], doc["mode"], doc["both_modes"]) == (3, 64, "bf16",
                                                                                          "precise", True)
+    assert r.stdout.startswith("kvcomp ") and " bench: 3 threads," in r.stdout.splitlines()[0], r.stdout
     rows = [line.split("|") for line in r.stdout.splitlines() if line.startswith("C4Li")]
     assert len(rows) == 4 and len(doc["training"]) == 2 and len(doc["decode"]) == 2, r.stdout
     for row, t in zip(rows[:2], doc["training"]):
