@@ -41,7 +41,9 @@ HAS_BF16_UNITS = bool(FLAGS & {"amx_bf16", "avx512_bf16"})
 
 def _child(code, **env):
     e = dict(os.environ)
-    for k in ("KVCOMP_PRODUCTS", "KVCOMP_ISA", "KVCOMP_ROW_STABLE", "KVCOMP_DECODE_PANELS"):
+    # The child sees the machine as /proc/cpuinfo describes it (FLAGS): no caps inherited from the caller.
+    for k in ("KVCOMP_PRODUCTS", "KVCOMP_ISA", "KVCOMP_ROW_STABLE", "KVCOMP_DECODE_PANELS", "KVCOMP_BF16_PACKED",
+              "KVCOMP_BF16_ROWS_KERNEL", "DNNL_MAX_CPU_ISA", "ONEDNN_MAX_CPU_ISA"):
         e.pop(k, None)
     e.update(env)
     e["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(__file__), e.get("PYTHONPATH")]))
