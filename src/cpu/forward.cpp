@@ -143,7 +143,7 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
   // weights where they lie (gemm.hpp), with the bits of the converted copy, and skip converting them.
   const bool fp16 = d.io == DType::f16;
   const std::optional<SgemmOrder> in_place_order = !buf.bf16 && !prepared.kv && (d.io == DType::bf16 || fp16)
-                                                       ? gemm_rows_16bit_order(d.T, C, H, fp16)
+                                                       ? gemm_rows_16bit_order(d.T, C, H, buf.ld_h, fp16)
                                                        : std::nullopt;
   const bool half_in_place = in_place_order.has_value();
   // The AVX-512 panels kvcomp's bf16 kernel reads: the prepared ones, else written now for a long call.
@@ -248,7 +248,7 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
       rows_to_f32(x_rows, d.io, n, H, buf.xf, buf.ld_h, num_threads);
       laps.lap(Phase::fwd_x);
       const std::optional<SgemmOrder> panel_order =
-          prepared.kv_panels ? gemm_row_panels_order(n, C, H, fp16) : std::nullopt;
+          prepared.kv_panels ? gemm_row_panels_order(n, C, H, buf.ld_h, fp16) : std::nullopt;
       if (panel_order) {  // decode panels
         gemm_row_panels(n, C, H, buf.xf, buf.ld_h, prepared.kv_panels, prepared.gate_panels, fp16, rows,
                         buf.ld_c2, *panel_order, num_threads);

@@ -67,25 +67,29 @@ void fill_probe(float* v, std::size_t count, std::uint32_t state) {
 }
 
 // The order (gemm_rows.hpp) in which oneDNN's AVX-512 sgemm, on one thread, sums the rows of a tile of nt
-// columns (a multiple of 16) and depth K: the candidate whose gemm_rows_avx2 gives the last 1, 3 and 8
-// rows of a 24-row sgemm call (its long-call path) bit for bit, or none (std::malloc failed, or neither
-// matches: the padding stays). Called on one thread with the OpenMP limit 1.
-std::optional<SgemmOrder> probe_avx512_order(std::int64_t nt, std::int64_t K) {
+// columns (a multiple of 16) and depth K, A and B (stored [nt, K]) with row strides lda and ldb: the
+// candidate whose gemm_rows_avx2 gives the last 1, 3 and 8 rows of a 24-row sgemm call (its long-call
+// path) bit for bit, or none (std::malloc failed, or neither matches: the padding stays). The strides
+// matter: with K 2048 or 4096 and 128 or more columns, sgemm sums in another order where they are K than
+// where they are K + 16 (measured on AMD Zen 5). Called on one thread with the OpenMP limit 1.
+std::optional<SgemmOrder> probe_avx512_order(std::int64_t nt, std::int64_t K, std::int64_t lda,
+                                             std::int64_t ldb) {
   constexpr std::int64_t rows = 24;
-  const std::size_t floats = static_cast<std::size_t>((rows + nt) * K + (rows + kRowsKernelMax) * nt);
+  const std::size_t floats = static_cast<std::size_t>(rows * lda + nt * ldb + (rows + kRowsKernelMax) * nt);
   const std::unique_ptr<float, decltype(&std::free)> mem(
       static_cast<float*>(std::malloc(floats * sizeof(float))), &std::free);
   if (!mem) return std::nullopt;
   float* const a = mem.get();
-  float* const b = a + rows * K;
-  float* const ref = b + nt * K;
+  float* const b = a + rows * lda;
+  float* const ref = b + nt * ldb;
   float* const out = ref + rows * nt;
-  fill_probe(a, static_cast<std::size_t>((rows + nt) * K), 0x85ebca6bu + static_cast<std::uint32_t>(K));
-  if (dnnl_sgemm('N', 'T', rows, nt, K, 1.0f, a, K, b, K, 0.0f, ref, nt) != dnnl_success) return std::nullopt;
+  fill_probe(a, static_cast<std::size_t>(rows * lda + nt * ldb), 0x85ebca6bu + static_cast<std::uint32_t>(K));
+  if (dnnl_sgemm('N', 'T', rows, nt, K, 1.0f, a, lda, b, ldb, 0.0f, ref, nt) != dnnl_success)
+    return std::nullopt;
   for (const SgemmOrder order : {kSgemmAvx512Halves, kSgemmAvx512Fixed}) {
     bool same = true;
     for (const std::int64_t m : {std::int64_t{1}, std::int64_t{3}, kRowsKernelMax}) {
-      gemm_rows_avx2(m, nt, K, a + (rows - m) * K, K, b, K, out, nt, order);
+      gemm_rows_avx2(m, nt, K, a + (rows - m) * lda, lda, b, ldb, out, nt, order);
       const std::size_t bytes = static_cast<std::size_t>(m * nt) * sizeof(float);
       same = same && std::memcmp(out, ref + (rows - m) * nt, bytes) == 0;
     }
@@ -94,15 +98,17 @@ std::optional<SgemmOrder> probe_avx512_order(std::int64_t nt, std::int64_t K) {
   return std::nullopt;
 }
 
-// sgemm's order for a tile of nt columns and depth K: none unless nt is a multiple of 16 (the kernel's
-// groups); the AVX2 sgemm's is the same for every shape (checked once per process by use_rows_kernel);
-// the AVX-512 sgemm's is probed once per shape and kept (a fixed table, nothing allocated with operator
-// new; past its 32 entries a shape is probed each time).
-std::optional<SgemmOrder> sgemm_order_for(std::int64_t nt, std::int64_t K) {
+// sgemm's order for a tile of nt columns and depth K, A and B (stored [nt, K]) with row strides lda and
+// ldb: none unless nt is a multiple of 16 (the kernel's groups); the AVX2 sgemm's is the same for every
+// shape and stride (checked once per process by use_rows_kernel); the AVX-512 sgemm's is probed once per
+// shape and strides and kept (a fixed table, nothing allocated with operator new; past its 32 entries a
+// shape is probed each time).
+std::optional<SgemmOrder> sgemm_order_for(std::int64_t nt, std::int64_t K, std::int64_t lda,
+                                          std::int64_t ldb) {
   if (nt <= 0 || nt % 16 != 0 || K <= 0) return std::nullopt;
   if (!onednn_has_avx512()) return kSgemmAvx2;
   struct Entry {
-    std::int64_t nt, k;
+    std::int64_t nt, k, lda, ldb;
     std::optional<SgemmOrder> order;
   };
   static std::mutex mu;
@@ -111,25 +117,26 @@ std::optional<SgemmOrder> sgemm_order_for(std::int64_t nt, std::int64_t K) {
   {
     const std::lock_guard<std::mutex> lock(mu);
     for (std::size_t i = 0; i < used; ++i)
-      if (known[i].nt == nt && known[i].k == K) return known[i].order;
+      if (known[i].nt == nt && known[i].k == K && known[i].lda == lda && known[i].ldb == ldb)
+        return known[i].order;
   }
   std::optional<SgemmOrder> order;
 #pragma omp parallel num_threads(1)
   {
     omp_set_num_threads(1);
-    order = probe_avx512_order(nt, K);
+    order = probe_avx512_order(nt, K, lda, ldb);
   }
   const std::lock_guard<std::mutex> lock(mu);
-  if (used < known.size()) known[used++] = Entry{nt, K, order};
+  if (used < known.size()) known[used++] = Entry{nt, K, lda, ldb, order};
   return order;
 }
 
 // The one order of all sgemm tiles of the forward projection [n, 2 half] (gemm_f32's column tiles over
-// wkv's and wgate's columns side by side), or none where they differ: kvcomp's kernels cut that
-// product per weight matrix.
-std::optional<SgemmOrder> projection_order(std::int64_t half, std::int64_t K) {
+// wkv's and wgate's columns side by side, its fp32 operands with row stride ld), or none where they
+// differ: kvcomp's kernels cut that product per weight matrix.
+std::optional<SgemmOrder> projection_order(std::int64_t half, std::int64_t K, std::int64_t ld) {
   const std::int64_t N = 2 * half, full = std::min(kTileN, N), last = N - (N - 1) / kTileN * kTileN;
-  const std::optional<SgemmOrder> a = sgemm_order_for(full, K), b = sgemm_order_for(last, K);
+  const std::optional<SgemmOrder> a = sgemm_order_for(full, K, ld, ld), b = sgemm_order_for(last, K, ld, ld);
   if (a && b && *a == *b) return a;
   return std::nullopt;
 }
@@ -180,7 +187,7 @@ bool rows_kernel_matches_sgemm(bool fp16) {
   for (const std::int64_t k : {std::int64_t{3}, std::int64_t{256}, std::int64_t{300}, std::int64_t{511},
                                std::int64_t{769}, std::int64_t{1003}, std::int64_t{1539}, k_max}) {
     // AVX-512: the order probed for this shape (none: the kernel is not used for it, nothing to check).
-    const std::optional<SgemmOrder> probed = sgemm_order_for(n, k);
+    const std::optional<SgemmOrder> probed = sgemm_order_for(n, k, ld, ld);
     if (!probed) continue;
     const SgemmOrder order = *probed;
     if (dnnl_sgemm('N', 'T', rows, n, k, 1.0f, a, ld, b, ld, 0.0f, ref, n) != dnnl_success) return false;
@@ -244,10 +251,10 @@ bool gemm_rows_kernel_active() { return use_rows_kernel(); }
 bool gemm_rows_order_probed() { return onednn_has_avx512(); }
 
 std::optional<SgemmOrder> gemm_rows_16bit_order(std::int64_t n, std::int64_t half, std::int64_t K,
-                                                bool fp16) {
+                                                std::int64_t ld, bool fp16) {
   if (n < 1 || n > kRowsKernelMax || half <= 0 || half % 16 != 0 || !rows_kernel_for(fp16))
     return std::nullopt;
-  return projection_order(half, K);
+  return projection_order(half, K, ld);
 }
 
 namespace {
@@ -300,12 +307,12 @@ void write_panels(const std::uint16_t* w, std::int64_t ldw, std::int64_t n, std:
 }
 
 std::optional<SgemmOrder> gemm_row_panels_order(std::int64_t n, std::int64_t half, std::int64_t K,
-                                                bool fp16) {
+                                                std::int64_t ld, bool fp16) {
   // Up to 256 rows on AVX-512 (decode: C4A B = 256 12.0 -> 10.5 ms on Zen 5, where sgemm alone on the
   // fp32 rows takes 9.0 ms); longer calls, whose padding costs little, keep sgemm's higher rate.
   const bool rows_ok = n == 1 || (n > 1 && n <= kPanelRowsMax && active_isa() >= Isa::avx512);
   if (!rows_ok || half <= 0 || half % 16 != 0 || !rows_kernel_for(fp16)) return std::nullopt;
-  return projection_order(half, K);
+  return projection_order(half, K, ld);
 }
 
 void gemm_row_panels(std::int64_t n, std::int64_t half, std::int64_t K, const float* a, std::int64_t lda,
@@ -353,8 +360,8 @@ namespace {
 // parallel region, which is the case with one thread.
 template <typename BTile>
 bool gemm_f32_tiles(std::int64_t M, std::int64_t N, std::int64_t K, GemmOperand a, bool b_transposed,
-                    BTile&& b_tile, float* c, std::int64_t ldc, bool accumulate, int num_threads,
-                    std::int64_t live_rows) {
+                    std::int64_t ldb, BTile&& b_tile, float* c, std::int64_t ldc, bool accumulate,
+                    int num_threads, std::int64_t live_rows) {
   if (M <= 0 || N <= 0) return true;
   if (K <= 0) {
     if (!accumulate)
@@ -374,8 +381,8 @@ bool gemm_f32_tiles(std::int64_t M, std::int64_t N, std::int64_t K, GemmOperand 
   // sgemm's order for the whole column tiles and the last one (the same on AVX2; probed on AVX-512).
   std::optional<SgemmOrder> order_full, order_last;
   if (rows_kernel) {
-    order_full = sgemm_order_for(std::min(kTileN, N), K);
-    order_last = sgemm_order_for(N - (tiles_n - 1) * kTileN, K);
+    order_full = sgemm_order_for(std::min(kTileN, N), K, a.ld, ldb);
+    order_last = sgemm_order_for(N - (tiles_n - 1) * kTileN, K, a.ld, ldb);
   }
   std::atomic<bool> ok{true};
 #pragma omp parallel num_threads(static_cast<int>(std::min<std::int64_t>(num_threads, tiles)))
@@ -410,7 +417,7 @@ bool gemm_f32(std::int64_t M, std::int64_t N, std::int64_t K, GemmOperand a, Gem
   const auto b_tile = [&b](std::int64_t n0, std::int64_t) {
     return GemmOperand{b.transposed ? b.ptr + n0 * b.ld : b.ptr + n0, b.ld, b.transposed};
   };
-  return gemm_f32_tiles(M, N, K, a, b.transposed, b_tile, c, ldc, accumulate, num_threads, live_rows);
+  return gemm_f32_tiles(M, N, K, a, b.transposed, b.ld, b_tile, c, ldc, accumulate, num_threads, live_rows);
 }
 
 bool gemm_one_column_pass(std::int64_t M) { return M <= tile_m(); }
@@ -436,7 +443,7 @@ bool gemm_f32_widening(std::int64_t M, std::int64_t half, std::int64_t K, GemmOp
     }
     return GemmOperand{tile, ld_scratch, true};
   };
-  return gemm_f32_tiles(M, 2 * half, K, a, true, b_tile, c, ldc, false, num_threads, live_rows);
+  return gemm_f32_tiles(M, 2 * half, K, a, true, ld_scratch, b_tile, c, ldc, false, num_threads, live_rows);
 }
 
 }  // namespace kvcomp::detail

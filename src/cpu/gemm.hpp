@@ -88,13 +88,14 @@ bool gemm_rows_order_probed();
 // The forward projection of a decode-sized call with its 16-bit weights (bf16, or fp16 when `fp16`) read
 // where they lie, not converted to fp32 first: C[n, 2 * half] = A[n, K] . [wkv ; wgate]^T, wkv and wgate
 // [half, K] with row stride K. Each cell gets the bits gemm_f32 gives it from the weights widened to fp32
-// (the same kernel order; widening is exact). gemm_rows_16bit_order(n, half, K, fp16): sgemm's order for
-// the call, to pass on, or none where the kernel does not apply (it needs the AVX2 kernel active,
+// (the same kernel order; widening is exact). gemm_rows_16bit_order(n, half, K, ld, fp16): sgemm's order for
+// the call whose fp32 operands have row stride ld (sgemm's order may depend on it), to pass on, or none
+// where the kernel does not apply (it needs the AVX2 kernel active,
 // 1 <= n <= 8, half a multiple of 16 (whole 16-column groups in every tile) and sgemm's order known for K
 // and the tiles (gemm_row_panels_order below); for fp16 also F16C and its own once-per-process check
 // against sgemm).
 std::optional<SgemmOrder> gemm_rows_16bit_order(std::int64_t n, std::int64_t half, std::int64_t K,
-                                                bool fp16);
+                                                std::int64_t ld, bool fp16);
 void gemm_rows_16bit_weights(std::int64_t n, std::int64_t half, std::int64_t K, const float* a,
                              std::int64_t lda, const std::uint16_t* wkv, const std::uint16_t* wgate,
                              bool fp16, float* c, std::int64_t ldc, SgemmOrder order, int num_threads);
@@ -108,7 +109,8 @@ void gemm_rows_16bit_weights(std::int64_t n, std::int64_t half, std::int64_t K, 
 // - write_panels: the panels of w [n, k] (bf16, or fp16 when `fp16`; row stride ldw, n a multiple of 16)
 //   into out (n * k elements); AVX2 (called only where decode_panels_wanted or the rows kernel runs).
 // - gemm_row_panels_order / gemm_row_panels: the forward projection of an n-row call from them,
-//   C[n, 2 * half] = A . [wkv ; wgate]^T (A row stride lda, C ldc): where the AVX2 rows kernel is active
+//   C[n, 2 * half] = A . [wkv ; wgate]^T (A row stride lda, C ldc), with the bits of the call on fp32
+//   operands of row stride ld (gemm_row_panels_order's): where the AVX2 rows kernel is active
 //   (for fp16 also its fp16 variant), n == 1 (AVX2) or up to kPanelRowsMax where kvcomp's kernels run
 //   AVX-512 (gemm_rows_avx512_panels), half a multiple of 16 and sgemm's order known for the shape (one order
 //   for all its column tiles: the order returned, none where the panels do not apply); each cell the
@@ -117,7 +119,7 @@ bool decode_panels_wanted(bool fp16 = false);
 void write_panels(const std::uint16_t* w, std::int64_t ldw, std::int64_t n, std::int64_t k,
                   std::uint16_t* out, int num_threads = 1, bool fp16 = false);
 std::optional<SgemmOrder> gemm_row_panels_order(std::int64_t n, std::int64_t half, std::int64_t K,
-                                                bool fp16);
+                                                std::int64_t ld, bool fp16);
 // The most rows gemm_row_panels takes on AVX-512 (longer calls keep sgemm on the fp32 rows).
 constexpr std::int64_t kPanelRowsMax = 256;
 void gemm_row_panels(std::int64_t n, std::int64_t half, std::int64_t K, const float* a, std::int64_t lda,

@@ -74,6 +74,36 @@ def test_every_small_row_count_equals_one_call(hidden, d, dtype):
     assert torch.equal(cache, cache2)
 
 
+@pytest.mark.parametrize("prepared", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden", [2048, 4096, 4071])
+def test_wide_projection_rows_equal_one_call(hidden, dtype, prepared):
+    """Calls of 1 to 300 tokens against the one-call prefill, with 256 projection columns (C4A's D = 128
+    at coff = 2) and hidden sizes whose fp32 operands have a row stride of 2048 + 16, 4096 + 16 and 4096:
+    AVX-512 sgemm sums such rows in another order than where the stride is the hidden size itself, so
+    the order kvcomp's decode kernels reproduce (probed per shape) must be probed at the calls' stride.
+    With prepared weights the calls of up to 256 rows read the decode panels. Every token's projection
+    in the state cache bit for bit."""
+    coff, d = 2, 64
+    wkv, wgate, ape = _weights(coff, seed=hidden, hidden=hidden, d=d, dtype=dtype)
+    blob = kvcomp.prepare_weights(wkv, wgate) if prepared else None
+    sizes = [1, 3, 8, 9, 16, 64, 256, 300]
+    T, bs = sum(sizes), 8
+    x = torch.randn(1, T, hidden, generator=torch.Generator().manual_seed(T)).to(dtype)
+    cols = -(-T // bs)
+    table = torch.arange(1, cols + 1, dtype=torch.int32)[None]
+    cache = torch.zeros(cols + 1, bs, 2 * coff * d)
+    kvcomp.compressor_forward(x, wkv, wgate, cache, ape, R, state_block_table=table, coff=coff)
+    cache2 = torch.zeros_like(cache)
+    lo = 0
+    for n in sizes:
+        kvcomp.compressor_forward(x[:, lo:lo + n], wkv, wgate, cache2, ape, R, state_block_table=table, coff=coff,
+                                  start_pos=torch.tensor([lo], dtype=torch.int32), prepared_weights=blob)
+        lo += n
+    assert cache.abs().sum() > 0
+    assert torch.equal(cache, cache2)
+
+
 def _last_sequence(parts, wkv, wgate, ape, coff, dc):
     """The forward output rows and d_x of the last of `parts`, TH sequences of one call whose upstream
     gradient is dc on the last sequence's compressed rows and 0 elsewhere."""
