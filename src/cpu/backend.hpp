@@ -18,10 +18,18 @@ namespace kvcomp::detail {
 constexpr std::int64_t kChunkRows = 1024;
 
 // Leading dimension of our fp32 work matrices: a multiple of 16 floats plus
-// 16, never a multiple of a large power of two. With ld = 4096 floats every
-// row of a tile maps to the same cache sets and oneDNN's sgemm ran at half
-// speed (measured: 70 vs 145 GFLOP/s on 2 cores).
-inline std::int64_t padded_ld(std::int64_t n) { return (n + 15) / 16 * 16 + 16; }
+// 16, or plus 32 where that would be a multiple of 256 (n in (240, 256] modulo
+// 256, e.g. 4080): never a multiple of a large power of two. With ld = 4096
+// floats every row of a tile maps to the same cache sets and oneDNN's sgemm
+// ran at half speed (measured: 70 vs 145 GFLOP/s on 2 cores). oneDNN 2.6's
+// AVX-512 sgemm also calls a leading dimension that is a multiple of 256 "bad"
+// (1024: "very bad") and then picks its copy-based kernel by other rules, by
+// row count among them: the d_x product's rows summed in one order in calls
+// of up to 100 rows and in another beyond (gemm.cpp, row stability).
+inline std::int64_t padded_ld(std::int64_t n) {
+  const std::int64_t ld = (n + 15) / 16 * 16 + 16;
+  return ld % 256 == 0 ? ld + 16 : ld;
+}
 
 // Workspace bytes (*size) for a call run with num_threads threads (execute uses the thread count
 // resolved when planning). The forward's depends on its prepared_weights (null: none; validated): no

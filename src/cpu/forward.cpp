@@ -69,7 +69,7 @@ struct ForwardBuffers {
       // reads each column tile once per row tile, so it widens them once, whole; a blob holds them
       // widened.
       if (!prepared.kv) {
-        if (gemm_one_column_pass(gemm_padded_rows(R, true)))
+        if (gemm_one_column_pass(gemm_padded_rows(R, true), d.H))
           widen = ws.take<float>(
               static_cast<std::int64_t>(gemm_widen_scratch_floats(2 * d.C, ld_h, num_threads)));
         else

@@ -27,8 +27,15 @@ namespace {
 constexpr std::int64_t kTileN = 256;
 
 // oneDNN 2.6's sgemm kernels (row-major A[M,K] becomes the n dimension of its
-// column-major call). AVX-512 (avx512_core and up): every call with >= 16
-// rows computes each row alike. AVX2: the no-copy driver cuts n into blocks
+// column-major call). AVX-512 (avx512_core and up), one thread, tiles of at
+// most 256 columns, leading dimensions never a multiple of 256 (padded_ld):
+// every call of 16 to 199 rows computes each row alike. From 200 rows on,
+// where B is transposed (the forward's projections), the tile is wider than
+// 100 columns and K < 1200, sgemm leaves its copy-based kernel for its no-copy
+// one (nocopy_checker_avx512), whose K blocks differ for K 769-1199: so tiles
+// of 192 rows there, 256 elsewhere (tile_m; measured on AMD Zen 5: N 16-256,
+// K 16-8200, calls of 16-256 rows (a sample) against 192- and 256-row calls,
+// B transposed or not). AVX2: the no-copy driver cuts n into blocks
 // of 64 (96 when our B is transposed) and a block into groups of 6 rows;
 // rows in a final group of 1-3 rows are summed in another order, those in a
 // final group of 4 or 5 rows as in a whole group. So a call of one block
@@ -153,7 +160,14 @@ bool row_stable() {
   return yes;
 }
 
-std::int64_t tile_m() { return onednn_has_avx512() || !row_stable() ? 256 : 192; }
+// Rows per tile of a product of depth K: 192 where sgemm keeps every row's order only below 200 rows (AVX2;
+// AVX-512 with B transposed and K < 1200, above), 256 elsewhere (fewer passes over B: C4A's forward at
+// T = 4096 on fp32 products, 204 -> 183 ms on Zen 5) and without row stability.
+std::int64_t tile_m(std::int64_t K, bool b_transposed) {
+  if (!row_stable()) return 256;
+  if (!onednn_has_avx512()) return 192;
+  return b_transposed && K < 1200 ? 192 : 256;
+}
 
 // Compares gemm_rows_avx2 with sgemm bit for bit: every row count 1-8 against the rows of a 24-row call
 // (the long-call path of both sgemms: four whole groups of 6 on AVX2, >= 16 rows on AVX-512), and one
@@ -368,7 +382,7 @@ bool gemm_f32_tiles(std::int64_t M, std::int64_t N, std::int64_t K, GemmOperand 
       for (std::int64_t i = 0; i < M; ++i) std::fill(c + i * ldc, c + i * ldc + N, 0.0f);
     return true;
   }
-  const std::int64_t rows_per_tile = tile_m();
+  const std::int64_t rows_per_tile = tile_m(K, b_transposed);
   const std::int64_t tiles_m = (M + rows_per_tile - 1) / rows_per_tile;
   const std::int64_t tiles_n = (N + kTileN - 1) / kTileN;
   const std::int64_t tiles = tiles_m * tiles_n;
@@ -420,7 +434,7 @@ bool gemm_f32(std::int64_t M, std::int64_t N, std::int64_t K, GemmOperand a, Gem
   return gemm_f32_tiles(M, N, K, a, b.transposed, b.ld, b_tile, c, ldc, accumulate, num_threads, live_rows);
 }
 
-bool gemm_one_column_pass(std::int64_t M) { return M <= tile_m(); }
+bool gemm_one_column_pass(std::int64_t M, std::int64_t K) { return M <= tile_m(K, true); }
 
 std::size_t gemm_widen_scratch_floats(std::int64_t N, std::int64_t ld, int num_threads) {
   const std::int64_t team = std::clamp<std::int64_t>((N + kTileN - 1) / kTileN, 1, std::max(num_threads, 1));
@@ -430,7 +444,7 @@ std::size_t gemm_widen_scratch_floats(std::int64_t N, std::int64_t ld, int num_t
 bool gemm_f32_widening(std::int64_t M, std::int64_t half, std::int64_t K, GemmOperand a, const void* wkv,
                        const void* wgate, DType dt, float* c, std::int64_t ldc, float* scratch,
                        std::int64_t ld_scratch, int num_threads, std::int64_t live_rows) {
-  if (!gemm_one_column_pass(M)) return false;
+  if (!gemm_one_column_pass(M, K)) return false;
   const std::size_t row_bytes = static_cast<std::size_t>(K) * dtype_size(dt);
   const auto b_tile = [&](std::int64_t n0, std::int64_t nt) {
     // This thread's tile of [wkv ; wgate] in fp32 (rows n0 .. n0 + nt of B, either matrix's rows).

@@ -70,9 +70,9 @@ bool gemm_f32(std::int64_t M, std::int64_t N, std::int64_t K, GemmOperand a, Gem
 // instead of the whole of B before the call. A decode-sized call of 9 or more rows without prepared
 // weights then keeps its fp32 copy of the weights in the caches (a whole copy is 2 x 4 x half x K bytes,
 // 32 MiB at C4A's H = 4096: written to memory and read back). Only for calls of one row tile, where each
-// column tile is read once (gemm_one_column_pass(M); false otherwise, nothing done). Same tiles, kernels
+// column tile is read once (gemm_one_column_pass(M, K); false otherwise, nothing done). Same tiles, kernels
 // and fp32 values as gemm_f32 on the widened B, so the same bits. scratch: gemm_widen_scratch_floats.
-bool gemm_one_column_pass(std::int64_t M);
+bool gemm_one_column_pass(std::int64_t M, std::int64_t K);
 std::size_t gemm_widen_scratch_floats(std::int64_t N, std::int64_t ld, int num_threads);
 bool gemm_f32_widening(std::int64_t M, std::int64_t half, std::int64_t K, GemmOperand a, const void* wkv,
                        const void* wgate, DType dt, float* c, std::int64_t ldc, float* scratch,

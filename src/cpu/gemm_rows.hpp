@@ -19,10 +19,11 @@ namespace kvcomp::detail {
 // - halves: one block up to `unit`; beyond, blocks of `unit` while more than 2 `unit` remain, then the
 //   rest in two halves (the first rounded up). The AVX2 sgemm, unit 256, always (measured for K
 //   1-18432); the AVX-512 one, unit 384, for most shapes.
-// - not halves: blocks of `unit`, the last one the rest. The AVX-512 sgemm for some K and tile widths
-//   (measured on AMD Zen 5 with 256 columns: K 769-1185 and 4096, not 4071 or 4103).
+// - not halves: blocks of `unit`, the last one the rest. The AVX-512 sgemm for some K, tile widths and
+//   row strides (measured on AMD Zen 5 with 256 columns and stride K: K 769-1185 and 4096, not 4071 or
+//   4103; K 2048 and 4096 take the other rule with stride K + 16 than with stride K).
 // Which rule a shape takes on AVX-512 is not documented and was not worked out: gemm.cpp probes sgemm
-// once per shape (sgemm_order_for).
+// once per shape and pair of row strides (sgemm_order_for).
 struct SgemmOrder {
   std::int64_t unit = 256;
   bool halves = true;

@@ -76,14 +76,17 @@ def test_every_small_row_count_equals_one_call(hidden, d, dtype):
 
 @pytest.mark.parametrize("prepared", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("hidden", [2048, 4096, 4071])
+@pytest.mark.parametrize("hidden", [2048, 4096, 4071, 1000, 1024])
 def test_wide_projection_rows_equal_one_call(hidden, dtype, prepared):
-    """Calls of 1 to 300 tokens against the one-call prefill, with 256 projection columns (C4A's D = 128
-    at coff = 2) and hidden sizes whose fp32 operands have a row stride of 2048 + 16, 4096 + 16 and 4096:
-    AVX-512 sgemm sums such rows in another order than where the stride is the hidden size itself, so
-    the order kvcomp's decode kernels reproduce (probed per shape) must be probed at the calls' stride.
-    With prepared weights the calls of up to 256 rows read the decode panels. Every token's projection
-    in the state cache bit for bit."""
+    """Calls of 1 to 300 tokens against the one-call prefill (657 tokens), with 256 projection columns
+    (C4A's D = 128 at coff = 2), on fp32 products where the call takes them (fp16 always). oneDNN's
+    AVX-512 sgemm picks its kernel (copy-based or not, which sum in different orders) from the shape
+    and the row strides: hidden 2048, 4096 and 4071 give fp32 operands of row stride 2048 + 16,
+    4096 + 16 and 4096, which sgemm treats otherwise than a stride equal to the hidden size, so the
+    order kvcomp's decode kernels reproduce must be probed at the calls' stride; hidden 1000 and 1024
+    (a depth under 1200) switch kernels at 200 rows, so sgemm's tiles must stay under 200 rows. With
+    prepared weights the calls of up to 256 rows read the decode panels. Every token's projection in
+    the state cache bit for bit."""
     coff, d = 2, 64
     wkv, wgate, ape = _weights(coff, seed=hidden, hidden=hidden, d=d, dtype=dtype)
     blob = kvcomp.prepare_weights(wkv, wgate) if prepared else None
@@ -104,13 +107,13 @@ def test_wide_projection_rows_equal_one_call(hidden, dtype, prepared):
     assert torch.equal(cache, cache2)
 
 
-def _last_sequence(parts, wkv, wgate, ape, coff, dc):
+def _last_sequence(parts, wkv, wgate, ape, coff, dc, d=D):
     """The forward output rows and d_x of the last of `parts`, TH sequences of one call whose upstream
-    gradient is dc on the last sequence's compressed rows and 0 elsewhere."""
+    gradient is dc on the last sequence's compressed rows and 0 elsewhere (head dim d)."""
     lens = [p.shape[0] for p in parts]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     x = torch.cat(parts).requires_grad_()
-    cache = torch.zeros(1, R, 2 * coff * D)
+    cache = torch.zeros(1, R, 2 * coff * d)
     table = torch.zeros(len(lens), -(-max(lens) // R), dtype=torch.int32)
     out = kt.compressor(x, wkv, wgate, cache, ape, R, state_block_table=table, cu_seqlens=cu, coff=coff)
     before = sum(n // R for n in lens[:-1])
@@ -132,6 +135,27 @@ def test_sequence_alone_or_after_others(coff, other):
 
     out1, dx1 = _last_sequence([xb], wkv, wgate, ape, coff, dc)
     out2, dx2 = _last_sequence([xa, xb], wkv, wgate, ape, coff, dc)
+    assert torch.equal(out1, out2)
+    assert torch.equal(dx1, dx2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden", [1000, 4080, 2032])
+def test_wide_sequence_alone_or_after_others(hidden, dtype):
+    """Forward output and d_x of a 64-token sequence, alone and after a 150-token one, with d = 256 at
+    coff = 2 (1024 projection columns; d_x's product has depth 1024). On fp32 products (fp16 always)
+    oneDNN's AVX-512 sgemm picks its kernel from the shape and the row strides: hidden 1000 switches
+    the projections' kernel at 200 rows; hidden 4080 and 2032 give the fp32 rows a stride that is a
+    multiple of 1024 unless kvcomp avoids it, on which sgemm switches d_x's kernel at 100 rows."""
+    coff, d = 2, 256
+    wkv, wgate, ape = _weights(coff, seed=hidden, hidden=hidden, d=d, dtype=dtype)
+    g = torch.Generator().manual_seed(hidden)
+    xb = torch.randn(64, hidden, generator=g).to(dtype)
+    xa = torch.randn(150, hidden, generator=g).to(dtype)
+    dc = torch.randn(64 // R, d, generator=g).to(dtype)
+    out1, dx1 = _last_sequence([xb], wkv, wgate, ape, coff, dc, d)
+    out2, dx2 = _last_sequence([xa, xb], wkv, wgate, ape, coff, dc, d)
+    assert dx1.abs().sum() > 0
     assert torch.equal(out1, out2)
     assert torch.equal(dx1, dx2)
 
