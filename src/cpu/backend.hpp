@@ -18,7 +18,7 @@ namespace kvcomp::detail {
 constexpr std::int64_t kChunkRows = 1024;
 
 // Leading dimension of our fp32 work matrices: a multiple of 16 floats plus
-// 16, or plus 32 where that would be a multiple of 256 (n in (240, 256] modulo
+// 16, or plus 32 where that would be a multiple of 256 (n in (224, 240] modulo
 // 256, e.g. 4080): never a multiple of a large power of two. With ld = 4096
 // floats every row of a tile maps to the same cache sets and oneDNN's sgemm
 // ran at half speed (measured: 70 vs 145 GFLOP/s on 2 cores). oneDNN 2.6's
