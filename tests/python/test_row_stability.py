@@ -59,19 +59,27 @@ def test_every_small_row_count_equals_one_call(hidden, d, dtype):
     coff = 2
     wkv, wgate, ape = _weights(coff, seed=hidden, hidden=hidden, d=d, dtype=dtype)
     sizes = list(range(1, 21)) + list(range(58, 68)) + list(range(90, 100))
+    cache, cache2 = _one_call_and_pieces(kt.compressor, sizes, hidden, dtype, wkv, wgate, ape, coff, d)
+    assert torch.equal(cache, cache2)
+
+
+def _one_call_and_pieces(call, sizes, hidden, dtype, wkv, wgate, ape, coff, d, **extra):
+    """The paged state caches after `call` (kt.compressor or kvcomp.compressor_forward) prefills one
+    random sequence of sum(sizes) tokens in one call, and after calls of `sizes` tokens one after
+    another (those with `extra`)."""
     T, bs = sum(sizes), 8
     x = torch.randn(1, T, hidden, generator=torch.Generator().manual_seed(T)).to(dtype)
     cols = -(-T // bs)
     table = torch.arange(1, cols + 1, dtype=torch.int32)[None]
     cache = torch.zeros(cols + 1, bs, 2 * coff * d)
-    kt.compressor(x, wkv, wgate, cache, ape, R, state_block_table=table, coff=coff)
+    call(x, wkv, wgate, cache, ape, R, state_block_table=table, coff=coff)
     cache2 = torch.zeros_like(cache)
     lo = 0
     for n in sizes:
-        kt.compressor(x[:, lo:lo + n], wkv, wgate, cache2, ape, R, state_block_table=table, coff=coff,
-                      start_pos=torch.tensor([lo], dtype=torch.int32))
+        call(x[:, lo:lo + n], wkv, wgate, cache2, ape, R, state_block_table=table, coff=coff,
+             start_pos=torch.tensor([lo], dtype=torch.int32), **extra)
         lo += n
-    assert torch.equal(cache, cache2)
+    return cache, cache2
 
 
 @pytest.mark.parametrize("prepared", [False, True])
@@ -91,18 +99,8 @@ def test_wide_projection_rows_equal_one_call(hidden, dtype, prepared):
     wkv, wgate, ape = _weights(coff, seed=hidden, hidden=hidden, d=d, dtype=dtype)
     blob = kvcomp.prepare_weights(wkv, wgate) if prepared else None
     sizes = [1, 3, 8, 9, 16, 64, 256, 300]
-    T, bs = sum(sizes), 8
-    x = torch.randn(1, T, hidden, generator=torch.Generator().manual_seed(T)).to(dtype)
-    cols = -(-T // bs)
-    table = torch.arange(1, cols + 1, dtype=torch.int32)[None]
-    cache = torch.zeros(cols + 1, bs, 2 * coff * d)
-    kvcomp.compressor_forward(x, wkv, wgate, cache, ape, R, state_block_table=table, coff=coff)
-    cache2 = torch.zeros_like(cache)
-    lo = 0
-    for n in sizes:
-        kvcomp.compressor_forward(x[:, lo:lo + n], wkv, wgate, cache2, ape, R, state_block_table=table, coff=coff,
-                                  start_pos=torch.tensor([lo], dtype=torch.int32), prepared_weights=blob)
-        lo += n
+    cache, cache2 = _one_call_and_pieces(kvcomp.compressor_forward, sizes, hidden, dtype, wkv, wgate, ape, coff,
+                                         d, prepared_weights=blob)
     assert cache.abs().sum() > 0
     assert torch.equal(cache, cache2)
 
