@@ -120,7 +120,14 @@ def check_case(name, spec, ranks, world):
         total_g = sum(res[name][n].float() for res in ranks)
         key = "fp32" if n == "d_ape" else "bf16"
         dt = torch.float32 if n == "d_ape" else case.x.dtype
-        rep = three_way(total_g.to(dt), grads_b[n].to(dt), grads_c[n].to(dt), key)
+        # With cmp_ratio = 1 (a softmax over one row) every term of d_wkv is exact in fp32, so the only
+        # errors of the total and of B are their fp32 additions, and against a C rounded to the io dtype
+        # both are zero but for the rare elements that lie near a rounding boundary: the ratios then
+        # compare a handful of one-ulp flips (a throwaway fuzzer of random CP layouts failed about 1 in
+        # 10 such cases, with the total closer to the float64 truth than B). There C stays unrounded,
+        # so that both carry their io rounding and the ratios measure something.
+        c_ref = grads_c[n] if case.cmp_ratio == 1 and n != "d_ape" else grads_c[n].to(dt)
+        rep = three_way(total_g.to(dt), grads_b[n].to(dt), c_ref, key)
         assert rep.passed, (name, n, rep.summary())
         mode = spec.get("weight_grads", "auto")
         if mode == "auto":
