@@ -2,9 +2,9 @@
 many rows its call has or where in the call it sits. So a sequence split over two calls (start_pos,
 the state cache carrying the rows in between) gives the one-call result bit for bit, and a sequence's
 outputs and d_x do not change when other sequences share its TH call. ctest runs this file twice:
-with oneDNN's own ISA choice and capped at AVX2 (DNNL_MAX_CPU_ISA), whose kernels differ. fp16 calls
-take the fp32 products on every CPU here (sgemm, and kvcomp's own kernel for decode rows in sgemm's
-order, probed per shape on AVX-512), bf16 calls the bf16 units where the CPU has them."""
+with oneDNN's own ISA choice and capped at AVX2 (DNNL_MAX_CPU_ISA), whose kernels differ. fp16 and
+fp32 calls take the fp32 products on every CPU here (sgemm, and kvcomp's own kernel for decode rows in
+sgemm's order, probed per shape on AVX-512), bf16 calls the bf16 units where the CPU has them."""
 
 import pytest
 import torch
@@ -83,18 +83,18 @@ def _one_call_and_pieces(call, sizes, hidden, dtype, wkv, wgate, ape, coff, d, *
 
 
 @pytest.mark.parametrize("prepared", [False, True])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("hidden", [2048, 4096, 4071, 1000, 1024])
 def test_wide_projection_rows_equal_one_call(hidden, dtype, prepared):
     """Calls of 1 to 300 tokens against the one-call prefill (657 tokens), with 256 projection columns
-    (C4A's D = 128 at coff = 2), on fp32 products where the call takes them (fp16 always). oneDNN's
-    AVX-512 sgemm picks its kernel (copy-based or not, which sum in different orders) from the shape
-    and the row strides: hidden 2048, 4096 and 4071 give fp32 operands of row stride 2048 + 16,
+    (C4A's D = 128 at coff = 2), on fp32 products where the call takes them (fp16 and fp32 io always).
+    oneDNN's AVX-512 sgemm picks its kernel (copy-based or not, which sum in different orders) from the
+    shape and the row strides: hidden 2048, 4096 and 4071 give fp32 operands of row stride 2048 + 16,
     4096 + 16 and 4096, which sgemm treats otherwise than a stride equal to the hidden size, so the
-    order kvcomp's decode kernels reproduce must be probed at the calls' stride; hidden 1000 and 1024
-    (a depth under 1200) switch kernels at 200 rows, so sgemm's tiles must stay under 200 rows. With
-    prepared weights the calls of up to 256 rows read the decode panels. Every token's projection in
-    the state cache bit for bit."""
+    order kvcomp's decode kernels reproduce must be probed at the calls' stride; hidden 1000 and 1024 (a
+    depth under 1200) switch kernels at 200 rows, so sgemm's tiles must stay under 200 rows. With
+    prepared weights the calls of up to 256 rows read the decode panels. Every token's projection in the
+    state cache bit for bit."""
     coff, d = 2, 64
     wkv, wgate, ape = _weights(coff, seed=hidden, hidden=hidden, d=d, dtype=dtype)
     blob = kvcomp.prepare_weights(wkv, wgate) if prepared else None
@@ -137,14 +137,14 @@ def test_sequence_alone_or_after_others(coff, other):
     assert torch.equal(dx1, dx2)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("hidden", [1000, 4080, 2032])
 def test_wide_sequence_alone_or_after_others(hidden, dtype):
-    """Forward output and d_x of a 64-token sequence, alone and after a 150-token one, with d = 256 at
-    coff = 2 (1024 projection columns; d_x's product has depth 1024). On fp32 products (fp16 always)
-    oneDNN's AVX-512 sgemm picks its kernel from the shape and the row strides: hidden 1000 switches
-    the projections' kernel at 200 rows; hidden 4080 and 2032 give the fp32 rows a stride that is a
-    multiple of 1024 unless kvcomp avoids it, on which sgemm switches d_x's kernel at 100 rows."""
+    """Forward output and d_x of a 64-token sequence, alone and after a 150-token one, with d = 256 at coff
+    = 2 (1024 projection columns; d_x's product has depth 1024). On fp32 products (fp16 and fp32 io
+    always) oneDNN's AVX-512 sgemm picks its kernel from the shape and the row strides: hidden 1000
+    switches the projections' kernel at 200 rows; hidden 4080 and 2032 give the fp32 rows a stride that
+    is a multiple of 1024 unless kvcomp avoids it, on which sgemm switches d_x's kernel at 100 rows."""
     coff, d = 2, 256
     wkv, wgate, ape = _weights(coff, seed=hidden, hidden=hidden, d=d, dtype=dtype)
     g = torch.Generator().manual_seed(hidden)
