@@ -11,8 +11,8 @@ tokens, and each rank runs the backward of every block that touches its tokens i
 the forward's main call already runs on, in zero rows, to the end of those blocks, so its softmax_score
 and kv serve the backward as they are): each token's ``d_new_kv`` / ``d_new_score`` row is then
 complete where the token lives, and its ``d_x`` row comes out of one product, exactly as in the
-single-process call (the products are row-stable, ``src/cpu/gemm.hpp``). So ``cmp_kv`` and ``d_x``
-equal the single-process call bit for bit; ``d_wkv``, ``d_wgate``, ``d_ape`` are this rank's partial sums (sum them over the group: DDP's
+single-process call (the products are row-stable, ``src/cpu/gemm.hpp``, unless the process runs with
+``KVCOMP_ROW_STABLE=0``). So ``cmp_kv`` and ``d_x`` equal the single-process call bit for bit; ``d_wkv``, ``d_wgate``, ``d_ape`` are this rank's partial sums (sum them over the group: DDP's
 all-reduce, or ``all_reduce_gradients``).
 
 Layouts (``split``):
