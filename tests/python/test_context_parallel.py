@@ -1,8 +1,9 @@
 """Context parallelism (kvcomp.distributed.cp_compressor) with torch.distributed over gloo: 2, 3 and 4
 spawned processes on 127.0.0.1, every wait bounded. Each rank runs its part of the sequences; the test
 puts the ranks' results together and compares them with the single-process call on the whole sequences
-(cmp_kv and d_x bit for bit, the summed d_wkv / d_wgate / d_ape by the spec 7.2 three-way rule) and
-with plain autograd through the float64 small-ops forward of support.py."""
+(cmp_kv and d_x bit for bit, the summed d_wkv / d_wgate / d_ape by the spec 7.2 three-way rule; fp32
+io's d_wkv / d_wgate within 1e-5 of their scale) and with plain autograd through the float64 small-ops
+forward of support.py."""
 
 import json
 import random
@@ -116,6 +117,7 @@ def check_case(name, spec, ranks, world):
     grads_c["d_ape"] = reference_grads(case, upstream, torch.float64, pinned=pinned)[1]["d_ape"]
     grads_b["d_ape"] = reference_grads(case, upstream, torch.float32, round_grad_to=case.x.dtype,
                                        pinned=pinned)[1]["d_ape"]
+    fp32_io = case.x.dtype == torch.float32
     for n in ("d_wkv", "d_wgate", "d_ape"):
         total_g = sum(res[name][n].float() for res in ranks)
         key = "fp32" if n == "d_ape" else ("fp16" if case.x.dtype == torch.float16 else "bf16")
@@ -127,14 +129,22 @@ def check_case(name, spec, ranks, world):
         # 10 such cases, with the total closer to the float64 truth than B). There C stays unrounded,
         # so that both carry their io rounding and the ratios measure something.
         c_ref = grads_c[n] if case.cmp_ratio == 1 and n != "d_ape" else grads_c[n].to(dt)
-        rep = three_way(total_g.to(dt), grads_b[n].to(dt), c_ref, key)
-        assert rep.passed, (name, n, rep.summary())
+        if fp32_io and n != "d_ape":
+            # fp32 io: the total and the fp32 golden are equally precise, so the three-way ratios fall
+            # on either side of 1 by chance (docs/python.md); held to the float64 truth directly, as
+            # test_torch_op.py holds the single call.
+            scale = max(grads_c[n].abs().max().item(), 1e-30)
+            err = (total_g.double() - grads_c[n]).abs().max().item()
+            assert err <= 1e-5 * scale, (name, n, err / scale)
+        else:
+            rep = three_way(total_g.to(dt), grads_b[n].to(dt), c_ref, key)
+            assert rep.passed, (name, n, rep.summary())
         mode = spec.get("weight_grads", "auto")
-        if mode == "auto":
-            mode = "partial" if spec.get("master") or spec.get("module") else "reduced"
+        if mode == "auto":  # fp32 weights (masters, the module's, fp32 io) give partial sums
+            mode = "partial" if spec.get("master") or spec.get("module") or fp32_io else "reduced"
         if mode == "reduced" and not spec.get("ddp"):  # the group's rank 0 holds the total
             assert all(not res[name][n].any() for res in ranks[1:]), (name, n)
-        if n != "d_ape" and (spec.get("master") or spec.get("module")):
+        if n != "d_ape" and (spec.get("master") or spec.get("module")) and not fp32_io:
             # fp32 master weights: fp32 partial sums, so the total is far closer to the oracle than any
             # io-rounded gradient (rounded partials would be at least the rounding away).
             assert all(res[name][n].dtype == torch.float32 for res in ranks), (name, n)
@@ -162,6 +172,7 @@ CASES_2 = {
     # flips made the RMSE ratio 512 (check_case keeps C unrounded at r = 1)
     "bsh_lb_c1_r1_fp16_wide": spec(False, "load_balanced", [24, 24], 1, 1, sp=[251, 24], used=[19, 21], H=1024,
                                    D=4, master=True, dtype="fp16", seed=14604),
+    "bsh_lb_c2_r4_fp32": spec(False, "load_balanced", [16, 16], 4, 2, sp=[3, 0], used=[16, 11], dtype="fp32"),
 }
 
 
@@ -170,6 +181,8 @@ CASES_3 = {
     "bsh_contig_c2_r4_short": spec(False, "contiguous", [14, 14], 4, 2, cuts=[5, 2, 7], sp=[1, 4]),
     "th_contig_c1_r128": spec(True, "contiguous", [300, 5], 128, 1, cuts=[130, 126, 49], sp=[100, 0], H=32, D=8),
     "th_lb_c1_r5": spec(True, "load_balanced", [30, 12], 5, 1, sp=[2, 4]),
+    "th_contig_c2_r3_fp32": spec(True, "contiguous", [10, 17, 6], 3, 2, cuts=[9, 3, 21], sp=[1, 5, 0], H=64, D=16,
+                                 dtype="fp32"),
 }
 CASES_4 = {
     "th_contig_c2_r5_empty_rank": spec(True, "contiguous", [9, 21, 4], 5, 2, cuts=[11, 0, 13, 10], sp=[6, 0, 3]),
