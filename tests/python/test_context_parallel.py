@@ -122,13 +122,6 @@ def check_case(name, spec, ranks, world):
         total_g = sum(res[name][n].float() for res in ranks)
         key = "fp32" if n == "d_ape" else ("fp16" if case.x.dtype == torch.float16 else "bf16")
         dt = torch.float32 if n == "d_ape" else case.x.dtype
-        # With cmp_ratio = 1 (a softmax over one row) every term of d_wkv is exact in fp32, so the only
-        # errors of the total and of B are their fp32 additions, and against a C rounded to the io dtype
-        # both are zero but for the rare elements that lie near a rounding boundary: the ratios then
-        # compare a handful of one-ulp flips (a throwaway fuzzer of random CP layouts failed about 1 in
-        # 10 such cases, with the total closer to the float64 truth than B). There C stays unrounded,
-        # so that both carry their io rounding and the ratios measure something.
-        c_ref = grads_c[n] if case.cmp_ratio == 1 and n != "d_ape" else grads_c[n].to(dt)
         if fp32_io and n != "d_ape":
             # fp32 io: the total and the fp32 golden are equally precise, so the three-way ratios fall
             # on either side of 1 by chance (docs/python.md); held to the float64 truth directly, as
@@ -137,6 +130,14 @@ def check_case(name, spec, ranks, world):
             err = (total_g.double() - grads_c[n]).abs().max().item()
             assert err <= 1e-5 * scale, (name, n, err / scale)
         else:
+            # With cmp_ratio = 1 (a softmax over one row) every term of d_wkv is exact in fp32, so the
+            # only errors of the total and of B are their fp32 additions, and against a C rounded to the
+            # io dtype both are zero but for the rare elements that lie near a rounding boundary: the
+            # ratios then compare a handful of one-ulp flips (a throwaway fuzzer of random CP layouts
+            # failed about 1 in 10 such cases, with the total closer to the float64 truth than B).
+            # There C stays unrounded, so that both carry their io rounding and the ratios measure
+            # something.
+            c_ref = grads_c[n] if case.cmp_ratio == 1 and n != "d_ape" else grads_c[n].to(dt)
             rep = three_way(total_g.to(dt), grads_b[n].to(dt), c_ref, key)
             assert rep.passed, (name, n, rep.summary())
         mode = spec.get("weight_grads", "auto")
