@@ -17,7 +17,7 @@ import kvcomp
 import kvcomp.torch as kt
 from cp_common import make_cp_case, token_rows
 from spawn import free_port, run_workers
-from kvcomp.compare import three_way
+from kvcomp.compare import dtype_key, three_way
 from support import kvcomp_intermediates, reference_grads
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cp_worker.py")
@@ -120,8 +120,8 @@ def check_case(name, spec, ranks, world):
     fp32_io = case.x.dtype == torch.float32
     for n in ("d_wkv", "d_wgate", "d_ape"):
         total_g = sum(res[name][n].float() for res in ranks)
-        key = "fp32" if n == "d_ape" else ("fp16" if case.x.dtype == torch.float16 else "bf16")
         dt = torch.float32 if n == "d_ape" else case.x.dtype
+        key = dtype_key(dt)
         if fp32_io and n != "d_ape":
             # fp32 io: the total and the fp32 golden are equally precise, so the three-way ratios fall
             # on either side of 1 by chance (docs/python.md); held to the float64 truth directly, as
