@@ -6,6 +6,8 @@ with oneDNN's own ISA choice and capped at AVX2 (DNNL_MAX_CPU_ISA), whose kernel
 fp32 calls take the fp32 products on every CPU here (sgemm, and kvcomp's own kernel for decode rows in
 sgemm's order, probed per shape on AVX-512), bf16 calls the bf16 units where the CPU has them."""
 
+import os
+
 import pytest
 import torch
 
@@ -63,6 +65,16 @@ def test_every_small_row_count_equals_one_call(hidden, d, dtype):
     assert torch.equal(cache, cache2)
 
 
+def _skip_wide_bf16_where_packing_is_emulated(hidden, dtype):
+    """KVCOMP_BF16_PACKED=1 on a CPU without AMX (ctest's *_packed runs) serves the packed bf16 tiles with
+    oneDNN's reference matmul: on a 2-core Zen 4 VM a 657-token call at hidden 4096 took 8 s, against 4
+    ms unpacked, and this file outgrew ctest's 300 s. The packing and tiling are the same at every hidden
+    size (hidden 1000, 1024, 2048 and 2032 still run; 1003 and 4096 in the small-row test), so the wider
+    bf16 cases are left to the runs whose kernels take them at speed (AMX packs by default)."""
+    if os.environ.get("KVCOMP_BF16_PACKED") == "1" and dtype == torch.bfloat16 and hidden > 2048:
+        pytest.skip("bf16 packing emulated with oneDNN's reference matmul: too slow at this width")
+
+
 def _one_call_and_pieces(call, sizes, hidden, dtype, wkv, wgate, ape, coff, d, **extra):
     """The paged state caches after `call` (kt.compressor or kvcomp.compressor_forward) prefills one
     random sequence of sum(sizes) tokens in one call, and after calls of `sizes` tokens one after
@@ -95,6 +107,7 @@ def test_wide_projection_rows_equal_one_call(hidden, dtype, prepared):
     depth under 1200) switch kernels at 200 rows, so sgemm's tiles must stay under 200 rows. With
     prepared weights the calls of up to 256 rows read the decode panels. Every token's projection in the
     state cache bit for bit."""
+    _skip_wide_bf16_where_packing_is_emulated(hidden, dtype)
     coff, d = 2, 64
     wkv, wgate, ape = _weights(coff, seed=hidden, hidden=hidden, d=d, dtype=dtype)
     blob = kvcomp.prepare_weights(wkv, wgate) if prepared else None
@@ -145,6 +158,7 @@ def test_wide_sequence_alone_or_after_others(hidden, dtype):
     always) oneDNN's AVX-512 sgemm picks its kernel from the shape and the row strides: hidden 1000
     switches the projections' kernel at 200 rows; hidden 4080 and 2032 give the fp32 rows a stride that
     is a multiple of 1024 unless kvcomp avoids it, on which sgemm switches d_x's kernel at 100 rows."""
+    _skip_wide_bf16_where_packing_is_emulated(hidden, dtype)
     coff, d = 2, 256
     wkv, wgate, ape = _weights(coff, seed=hidden, hidden=hidden, d=d, dtype=dtype)
     g = torch.Generator().manual_seed(hidden)
