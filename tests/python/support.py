@@ -360,3 +360,12 @@ def kvcomp_intermediates(case):
     args = forward_op_args(case, case.state_cache.clone())
     _, softmax_score, kv = torch.ops.kvcomp.compressor_forward(*args, True)
     return softmax_score, kv
+
+
+def assert_close_to_truth(a, truth, rel=1e-5, what=""):
+    """|a - truth| <= rel * max|truth| everywhere: agreement relative to the output's scale (an element
+    that is a cancelled sum has no meaningful relative error of its own). `what` names it in the
+    failure message."""
+    scale = max(truth.abs().max().item(), 1e-30) if truth.numel() else 1.0
+    err = (a.double() - truth.double()).abs().max().item() if truth.numel() else 0.0
+    assert err <= rel * scale, f"{what} max error {err:.3g} > {rel:g} x scale {scale:.3g}"

@@ -18,7 +18,7 @@ import kvcomp.torch as kt
 from cp_common import make_cp_case, token_rows
 from spawn import free_port, run_workers
 from kvcomp.compare import dtype_key, three_way
-from support import kvcomp_intermediates, reference_grads
+from support import assert_close_to_truth, kvcomp_intermediates, reference_grads
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cp_worker.py")
 TIMEOUT_S = 240
@@ -121,14 +121,11 @@ def check_case(name, spec, ranks, world):
     for n in ("d_wkv", "d_wgate", "d_ape"):
         total_g = sum(res[name][n].float() for res in ranks)
         dt = torch.float32 if n == "d_ape" else case.x.dtype
-        key = dtype_key(dt)
         if fp32_io and n != "d_ape":
             # fp32 io: the total and the fp32 golden are equally precise, so the three-way ratios fall
             # on either side of 1 by chance (docs/python.md); held to the float64 truth directly, as
             # test_torch_op.py holds the single call.
-            scale = max(grads_c[n].abs().max().item(), 1e-30)
-            err = (total_g.double() - grads_c[n]).abs().max().item()
-            assert err <= 1e-5 * scale, (name, n, err / scale)
+            assert_close_to_truth(total_g, grads_c[n], 1e-5, what=f"{name} {n}")
         else:
             # With cmp_ratio = 1 (a softmax over one row) every term of d_wkv is exact in fp32, so the
             # only errors of the total and of B are their fp32 additions, and against a C rounded to the
@@ -138,7 +135,7 @@ def check_case(name, spec, ranks, world):
             # There C stays unrounded, so that both carry their io rounding and the ratios measure
             # something.
             c_ref = grads_c[n] if case.cmp_ratio == 1 and n != "d_ape" else grads_c[n].to(dt)
-            rep = three_way(total_g.to(dt), grads_b[n].to(dt), c_ref, key)
+            rep = three_way(total_g.to(dt), grads_b[n].to(dt), c_ref, dtype_key(dt))
             assert rep.passed, (name, n, rep.summary())
         mode = spec.get("weight_grads", "auto")
         if mode == "auto":  # fp32 weights (masters, the module's, fp32 io) give partial sums

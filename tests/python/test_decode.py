@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import kvcomp.torch as kt
-from support import make_case, reference_forward
-from test_torch_op import assert_close_to_truth, io_ulp
+from support import assert_close_to_truth, make_case, reference_forward
+from test_torch_op import io_ulp
 
 H, D = 256, 32
 

@@ -12,7 +12,8 @@ import torch
 import kvcomp
 import kvcomp.torch as kt
 from kvcomp.compare import three_way, two_way
-from support import DEVICES, GRAD_NAMES, IO_DTYPES, kvcomp_intermediates, make_case, on_device, reference_grads
+from support import (DEVICES, GRAD_NAMES, IO_DTYPES, assert_close_to_truth, kvcomp_intermediates, make_case,
+                     on_device, reference_grads)
 
 SWEEP = {
     "bsh_c1_r4": dict(lens=[12, 12], r=4, coff=1),
@@ -55,14 +56,6 @@ def io_ulp(t, dtype):
     frac, emin = {"bf16": (7, -126), "fp16": (10, -14)}[dtype]
     e = torch.floor(torch.log2(t.abs().clamp_min(2.0**emin))).clamp_min(emin)
     return torch.exp2(e - frac)
-
-
-def assert_close_to_truth(a, truth, rel=1e-5):
-    """|a - truth| <= rel * max|truth| everywhere: agreement relative to the output's scale (an element
-    that is a cancelled sum has no meaningful relative error of its own)."""
-    scale = max(truth.abs().max().item(), 1e-30) if truth.numel() else 1.0
-    err = (a.double() - truth.double()).abs().max().item() if truth.numel() else 0.0
-    assert err <= rel * scale, f"max error {err:.3g} > {rel:g} x scale {scale:.3g}"
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
