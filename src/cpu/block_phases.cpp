@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "cpu/simd/kernels.hpp"
+#include "cpu/stream_store.hpp"
 
 namespace kvcomp::detail {
 
@@ -30,17 +31,6 @@ struct LocalRange {
 };
 LocalRange local_range(const BatchSpan& s, std::int64_t a, std::int64_t b) {
   return {std::max(a, s.base) - s.base, std::min(b, s.base + s.len) - s.base};
-}
-
-// dst[0, n) = src[0, n), with streaming stores (SSE2, x86-64's baseline) from dst's first 16-byte
-// boundary on. A cache slot written by a forward is read by a later call, not by this one (its blocks read
-// this call's rows from the projections), so through the caches each line would first be read, then evict
-// the block's inputs. The same values either way; forward_blocks fences once per thread.
-void stream_floats(float* dst, const float* src, std::int64_t n) {
-  std::int64_t i = 0;
-  for (; i < n && (reinterpret_cast<std::uintptr_t>(dst + i) & 15) != 0; ++i) dst[i] = src[i];
-  for (; i + 4 <= n; i += 4) _mm_stream_ps(dst + i, _mm_loadu_ps(src + i));
-  for (; i < n; ++i) dst[i] = src[i];
 }
 
 float* cache_slot(const ForwardBlockIo& io, std::int64_t batch, std::int64_t pos, bool for_write) {

@@ -19,6 +19,7 @@
 
 #include "common/numerics.hpp"
 #include "cpu/simd/kernels.hpp"
+#include "cpu/stream_store.hpp"
 
 namespace kvcomp::detail::KVCOMP_SIMD_NS {
 namespace {
@@ -185,8 +186,13 @@ void block_softmax_impl(const float* const* sc, const float* const* kv, i64 cr, 
       continue;
     }
     for (i64 i = 0; i < w; ++i) out[i] += (ej[i] * inv[i]) * static_cast<double>(k[i]);
-    for (i64 i = 0; so && i < w; ++i) so[i] = static_cast<float>(ej[i] * inv[i]);
-    for (i64 i = 0; ko && i < w; ++i) ko[i] = k[i];
+    // The exported rows are read by the backward, long after this call: streamed (stream_store.hpp).
+    if (so) {
+      float sf[kN];
+      for (i64 i = 0; i < w; ++i) sf[i] = static_cast<float>(ej[i] * inv[i]);
+      stream_floats(so, sf, w);
+    }
+    if (ko) stream_floats(ko, k, w);
   }
   float outf[kN];
   for (i64 i = 0; i < w; ++i) outf[i] = static_cast<float>(out[i]);

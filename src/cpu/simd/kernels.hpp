@@ -43,7 +43,8 @@ struct SimdKernels {
   // for a placeholder row (weight exactly 0). Writes softmax_score / kv rows
   // (s_out / k_out with row stride ld_out, either may be null) and the
   // pooled row to cmp (io dtype). e: scratch of (cr + 1) * kSoftmaxChunk
-  // doubles.
+  // doubles. The s_out / k_out rows are streamed (cpu/stream_store.hpp): the
+  // caller fences before another thread reads them.
   void (*block_softmax)(const float* const* sc, const float* const* kv, std::int64_t cr, std::int64_t w,
                         double* e, float* s_out, float* k_out, std::int64_t ld_out, void* cmp, DType io);
   // io dtype <-> fp32, n elements (round to nearest even when narrowing).
