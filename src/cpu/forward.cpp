@@ -22,6 +22,20 @@ namespace {
 // 0.96 / 0.86 / 0.91x (docs/performance.md). Both give every row the same bits.
 constexpr std::int64_t kPanelCallRows = 128;
 
+// Token rows per chunk of a call on the bf16 units: 128 per thread, from 256 to kChunkRows. The chunk's x
+// rows (read by every column tile of both products) and its projections (read back by the block phase)
+// then stay nearer the cores than in chunks of kChunkRows: AMD Zen 4, 2 threads, H = 4096, C4A BSH
+// T = 4096, the forward / its bf16 products alone went from 1.061-1.097 to 1.018-1.082 (5 rounds,
+// docs/performance.md). Not fewer per thread: a packed B (AMX) runs a chunk as 64-row tiles per
+// product, and 2 x chunk / 64 tiles must keep every thread busy. The products give a row the same bits
+// whatever the chunk (row-stable), and a block's softmax does not depend on it, so neither do the
+// outputs. The fp32 products keep kChunkRows: their sgemm tiles are 192 or 256 rows (gemm.cpp), and
+// smaller chunks measured no faster there.
+std::int64_t forward_chunk_rows(bool bf16, int num_threads) {
+  if (!bf16) return kChunkRows;
+  return std::clamp<std::int64_t>(128 * std::int64_t{std::max(num_threads, 1)}, 256, kChunkRows);
+}
+
 struct ForwardBuffers {
   std::int64_t ld_h, ld_c2;  // padded leading dimensions
   float* wcat = nullptr;     // [2C, ld_h]: wkv rows then wgate rows, fp32 (fp32 products of a longer call)
@@ -38,6 +52,7 @@ struct ForwardBuffers {
   // A call of kPanelCallRows or more on AVX512-BF16 without prepared panels: wkv's and wgate's
   // panels, written per call (write_bf16_panels), for kvcomp's kernel.
   std::uint16_t* panels = nullptr;
+  std::int64_t chunk;  // token rows per chunk (forward_chunk_rows)
   std::size_t size;
 
   // The two projection products on the bf16 units: [n, H] . [H, C] into a column half of proj.
@@ -46,12 +61,13 @@ struct ForwardBuffers {
   // `prepared`: the call's prepared_weights (prepared_view; all null without): no room for what it holds.
   ForwardBuffers(const Dims& d, const PreparedView& prepared, int num_threads, void* base) {
     WorkspaceLayout ws(base);
+    bf16 = d.io == DType::bf16 && bf16_product_kernel();
+    chunk = forward_chunk_rows(bf16, num_threads);
     // Rp: the chunk's rows padded for a row-stable product (gemm.hpp, gemm_bf16.hpp).
-    const std::int64_t R = std::min(kChunkRows, std::max<std::int64_t>(d.T, 1));
+    const std::int64_t R = std::min(chunk, std::max<std::int64_t>(d.T, 1));
     const std::int64_t Rp = std::max(gemm_row_capacity(R), bf16_padded_rows(R));
     ld_h = padded_ld(d.H);
     ld_c2 = padded_ld(2 * d.C);
-    bf16 = d.io == DType::bf16 && bf16_product_kernel();
     const Bf16Plan p = bf16 ? bf16_plan(bf16_shape(d)) : Bf16Plan{};
     const std::size_t packed = p.packed_bytes;
     ok = !bf16 || p.ok;  // oneDNN could not make the product (out of memory): the call fails
@@ -151,7 +167,7 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
   if (buf.bf16) {
     const Bf16Shape shape = buf.bf16_shape(d);
     if (!panels[0] && buf.panels && gemm_row_stable() &&
-        bf16_rows_kernel_applicable(shape, std::min(d.T, kChunkRows), true)) {
+        bf16_rows_kernel_applicable(shape, std::min(d.T, buf.chunk), true)) {
       write_bf16_panels(static_cast<const std::uint16_t*>(args.wkv.data),
                         static_cast<const std::uint16_t*>(args.wgate.data), C, H, buf.panels, num_threads);
       panels[0] = buf.panels;
@@ -196,8 +212,8 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
   io.proj_ld = buf.ld_c2;
   const std::int64_t carry = d.coff * d.r;  // rows of the previous chunk a block may still need
   std::int64_t prev_first = 0;
-  for (std::int64_t a = 0; a < d.T; a += kChunkRows) {
-    const std::int64_t b = std::min(d.T, a + kChunkRows), n = b - a;
+  for (std::int64_t a = 0; a < d.T; a += buf.chunk) {
+    const std::int64_t b = std::min(d.T, a + buf.chunk), n = b - a;
     const std::int64_t first = std::max<std::int64_t>(0, a - carry);
     if (a > 0)
       std::memmove(buf.proj, buf.proj + (first - prev_first) * buf.ld_c2,
