@@ -150,10 +150,12 @@ RandomOptions shape(bool th, bool large) {
   o.max_start_pos = 9;
   o.allow_empty_segments = false;
   if (large) {
-    o.S = 640;  // T = 1280: two chunks of 1024 rows
+    o.S = 640;  // T = 1280: two chunks of 1024 rows (five of 256 in a forward on the bf16 units)
   } else {
-    o.S = 170;
-    if (th) o.lengths = {150, 170};
+    // T <= 256: one chunk on every product path and thread count (a forward on the bf16 units runs
+    // 256 rows per chunk on 1-2 threads, cpu/forward.cpp), so the strict rule holds there too.
+    o.S = 126;
+    if (th) o.lengths = {110, 146};
   }
   return o;
 }
@@ -246,7 +248,7 @@ struct SweepParam {
 void PrintTo(const SweepParam& p, std::ostream* os) { *os << p.name; }
 
 // Whether a runtime_error may leave a prefix of the result written (kPrefixWrite): only for a
-// call of several 1024-row chunks whose products run on the bf16 units. oneDNN's matmul and
+// call of several chunks whose products run on the bf16 units. oneDNN's matmul and
 // reorder primitives allocate with operator new on every execution (their argument maps), so a
 // failure there in a later chunk comes after the earlier chunks wrote their rows; those rows and
 // cache slots then hold exactly the undisturbed result's bytes, and calling again gives the whole
