@@ -150,7 +150,7 @@ RandomOptions shape(bool th, bool large) {
   o.max_start_pos = 9;
   o.allow_empty_segments = false;
   if (large) {
-    o.S = 640;  // T = 1280: two chunks of 1024 rows (five of 256 in a forward on the bf16 units)
+    o.S = 640;  // T = 1280: two chunks of 1024 rows (a forward on the bf16 units: several of 256-1024)
   } else {
     // T <= 256: one chunk on every product path and thread count (a forward on the bf16 units runs
     // 256 rows per chunk on 1-2 threads, cpu/forward.cpp), so the strict rule holds there too.
