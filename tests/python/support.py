@@ -369,3 +369,10 @@ def assert_close_to_truth(a, truth, rel=1e-5, what=""):
     scale = max(truth.abs().max().item(), 1e-30) if truth.numel() else 1.0
     err = (a.double() - truth.double()).abs().max().item() if truth.numel() else 0.0
     assert err <= rel * scale, f"{what} max error {err:.3g} > {rel:g} x scale {scale:.3g}"
+
+
+def io_ulp(t, dtype):
+    """One unit in the last place of the io dtype at each element's magnitude."""
+    frac, emin = {"bf16": (7, -126), "fp16": (10, -14)}[dtype]
+    e = torch.floor(torch.log2(t.abs().clamp_min(2.0**emin))).clamp_min(emin)
+    return torch.exp2(e - frac)

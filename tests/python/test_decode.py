@@ -10,8 +10,7 @@ import pytest
 import torch
 
 import kvcomp.torch as kt
-from support import assert_close_to_truth, make_case, reference_forward
-from test_torch_op import io_ulp
+from support import assert_close_to_truth, io_ulp, make_case, reference_forward
 
 H, D = 256, 32
 

@@ -26,8 +26,8 @@ import kvcomp
 import kvcomp.npu_compat as npu_compat
 import kvcomp.torch as kt
 from kvcomp.compare import two_way
-from support import DEVICES, assert_close_to_truth, forward_op_args, make_case, on_device, reference_forward
-from test_torch_op import io_ulp
+from support import (DEVICES, assert_close_to_truth, forward_op_args, io_ulp, make_case, on_device,
+                     reference_forward)
 
 PKG = "cann_ops_transformer"
 

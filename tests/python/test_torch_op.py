@@ -12,8 +12,8 @@ import torch
 import kvcomp
 import kvcomp.torch as kt
 from kvcomp.compare import three_way, two_way
-from support import (DEVICES, GRAD_NAMES, IO_DTYPES, assert_close_to_truth, kvcomp_intermediates, make_case,
-                     on_device, reference_grads)
+from support import (DEVICES, GRAD_NAMES, IO_DTYPES, assert_close_to_truth, io_ulp, kvcomp_intermediates,
+                     make_case, on_device, reference_grads)
 
 SWEEP = {
     "bsh_c1_r4": dict(lens=[12, 12], r=4, coff=1),
@@ -49,13 +49,6 @@ def run_kvcomp(case, d_cmp_kv, requires=(True, True, True, True)):
     if out.requires_grad:
         out.backward(d_cmp_kv)
     return out.detach(), dict(zip(GRAD_NAMES, (t.grad for t in leaves))), cache
-
-
-def io_ulp(t, dtype):
-    """One unit in the last place of the io dtype at each element's magnitude."""
-    frac, emin = {"bf16": (7, -126), "fp16": (10, -14)}[dtype]
-    e = torch.floor(torch.log2(t.abs().clamp_min(2.0**emin))).clamp_min(emin)
-    return torch.exp2(e - frac)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
