@@ -200,6 +200,66 @@ def test_d_x_of_whole_tiles_equals_a_ragged_call(precision, coff, hidden, lens, 
     assert torch.equal(alone, after)
 
 
+def _bits(t):
+    """A tensor's bit patterns, so that comparisons tell -0 from +0 (torch.equal does not)."""
+    t = torch.as_tensor(t).contiguous()
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+@pytest.mark.parametrize("precision", ["npu_parity", "precise"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("coff", [1, 2])
+@pytest.mark.parametrize("th", [False, True])
+def test_rows_without_gradient_reach_no_gradient(th, coff, dtype, precision):
+    """Token rows that feed no compressed block (a tail, tokens past seqused) meet zero d_new rows in the
+    weight-gradient product. Whatever x holds there, finite values of any sign and size (read in place,
+    src/cpu/backward.cpp: 0 * x adds zeros to sums that start at +0) or inf and NaN (then a copy with
+    those rows zeroed, as the NPU does), the four gradients are bit for bit those of the same call with
+    those rows zero: -0 and +0 told apart. 128 rows: two whole 64-row tiles of the bf16 products."""
+    wkv, wgate, ape = _weights(coff, dtype=dtype)
+    g = torch.Generator().manual_seed(11 + coff)
+    if th:
+        lens, used = [61, 67], [50, 67]
+    else:
+        lens, used = [64, 64], [61, 45]
+    x = torch.randn(sum(lens), H, generator=g).to(dtype)
+    dead = torch.zeros(sum(lens), dtype=torch.bool)  # rows without gradient (start_pos 0: limit = U - U % R)
+    base = 0
+    for n, u in zip(lens, used):
+        dead[base + u // R * R:base + n] = True
+        base += n
+    assert 0 < int(dead.sum()) < sum(lens)
+    x[dead] = 0
+    kw = {"cu_seqlens": torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32)} if th else {}
+    xs = x if th else x.reshape(2, lens[0], H)
+    shaped = (lambda t: t) if th else (lambda t: t.reshape(2, lens[0], H))
+    seqused = torch.tensor(used, dtype=torch.int32)
+    table = torch.zeros(2, -(-max(lens) // R), dtype=torch.int32)
+    cache = torch.zeros(1, R, 2 * coff * D)
+    out, score, kv = kvcomp.compressor_forward(xs, wkv, wgate, cache, ape, R, state_block_table=table,
+                                               seqused=seqused, coff=coff, grad_enabled=True, **kw)
+    dc = torch.randn(out.shape, generator=g).to(dtype)
+
+    def grads(x_rows):
+        return kvcomp.compressor_grad(shaped(x_rows), wkv, wgate, dc, score, kv, R, seqused=seqused, coff=coff,
+                                      precision=precision, **kw)
+
+    want = grads(x)
+    assert want[1].abs().sum() > 0 and want[2].abs().sum() > 0
+    finite, poisoned = x.clone(), x.clone()
+    n_dead = int(dead.sum())
+    values = torch.randn(n_dead, H, generator=g) * torch.logspace(-30, 30, H) * (1e-9 if dtype == torch.float16 else 1)
+    finite[dead] = values.clamp(-6e4, 6e4).to(dtype) if dtype == torch.float16 else values.to(dtype)
+    poisoned[dead] = finite[dead]
+    poisoned[dead.nonzero()[0, 0], 3] = float("nan")
+    poisoned[dead.nonzero()[-1, 0], 5] = float("inf")
+    poisoned[dead.nonzero()[-1, 0], 6] = -float("inf")
+    for x_rows in (finite, poisoned):
+        got = grads(x_rows)
+        for a, b in zip(got, want):
+            assert torch.equal(_bits(a), _bits(b))
+
+
 @pytest.mark.parametrize("prepared", [False, True])
 @pytest.mark.parametrize("dtype,hidden", [(torch.bfloat16, H), (torch.float16, H), (torch.float16, 1003)])
 @pytest.mark.parametrize("coff", [1, 2])
