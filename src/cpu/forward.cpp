@@ -102,6 +102,24 @@ struct ForwardBuffers {
 
 constexpr const char* kNoBf16Product = "[kvcomp] oneDNN could not create the bf16 projection product";
 
+// The first projection row that the blocks of a chunk starting at row a read from the chunks before it
+// (a: none): the first row of the block holding row a, its previous half included (coff = 2), in the
+// batch holding rows a - 1 and a, if that batch has a block left. At most coff * r - 1 rows before a
+// (the room ForwardBuffers keeps), and never before the previous chunk's own first row, so the rows
+// are still there to move. C128A (r = 128): 0 to 127 rows to move instead of 128 per chunk.
+std::int64_t first_carried_row(const BlockPlan& plan, std::int64_t a) {
+  if (a == 0) return 0;
+  const Dims& d = plan.dims;
+  const std::size_t bi = first_batch_ending_after(plan, a - 1);
+  if (bi == plan.batches.size()) return a;
+  const BatchSpan& s = plan.batches[bi];
+  if (s.base + s.len <= a) return a;  // the batch of row a - 1 ends there
+  const std::int64_t pos = s.sp + (a - s.base);  // row a's position
+  if (pos >= s.limit) return a;                  // the batch has no block left
+  const std::int64_t start = (pos / d.r - (d.coff - 1)) * d.r;
+  return std::max(s.base, s.base + start - s.sp);
+}
+
 // Zeroes output rows that hold no block (the NPU leaves them unwritten).
 void zero_padding_rows(const ForwardArgs& args, const BlockPlan& plan) {
   const Dims& d = plan.dims;
@@ -210,11 +228,10 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
     io.blocks_may_split = !cache_slots_alias(plan, cache_geometry(args, io.block_table));
 
   io.proj_ld = buf.ld_c2;
-  const std::int64_t carry = d.coff * d.r;  // rows of the previous chunk a block may still need
   std::int64_t prev_first = 0;
   for (std::int64_t a = 0; a < d.T; a += buf.chunk) {
     const std::int64_t b = std::min(d.T, a + buf.chunk), n = b - a;
-    const std::int64_t first = std::max<std::int64_t>(0, a - carry);
+    const std::int64_t first = first_carried_row(plan, a);
     if (a > 0)
       std::memmove(buf.proj, buf.proj + (first - prev_first) * buf.ld_c2,
                    static_cast<std::size_t>((a - first) * buf.ld_c2) * sizeof(float));
