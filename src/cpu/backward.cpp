@@ -203,8 +203,9 @@ void mark_gradient_rows(const BlockPlan& plan, std::int64_t a, std::int64_t b, s
 // Whether every row of the chunk that gets no gradient holds finite bf16 values only (exponent bits
 // not all ones). Then the weight-gradient product may read x where it lies: such a row meets a zero
 // d_new row, and 0 * finite adds a zero to sums that start at +0, which changes no bit (a sum that
-// starts at +0 is never -0: +0 + -0 = +0 and x - x = +0). Only 0 * inf or 0 * NaN would (the test
-// NoGradientRows.* checks both on the machine's own kernels).
+// starts at +0 is never -0: +0 + -0 = +0 and x - x = +0). Only 0 * inf or 0 * NaN would
+// (test_row_stability.py::test_rows_without_gradient_reach_no_gradient checks both on the machine's
+// own kernels).
 bool rows_without_gradient_finite(const std::uint16_t* x, std::int64_t H, const std::vector<char>& mark,
                                   std::int64_t n, int num_threads) {
   bool bad = false;

@@ -241,15 +241,17 @@ def test_rows_without_gradient_reach_no_gradient(th, coff, dtype, precision):
     dc = torch.randn(out.shape, generator=g).to(dtype)
 
     def grads(x_rows):
-        return kvcomp.compressor_grad(shaped(x_rows), wkv, wgate, dc, score, kv, R, seqused=seqused, coff=coff,
-                                      precision=precision, **kw)
+        return kvcomp.compressor_grad(shaped(x_rows), wkv, wgate, dc, score, kv, R, seqused=seqused,
+                                      coff=coff, precision=precision, **kw)
 
     want = grads(x)
     assert want[1].abs().sum() > 0 and want[2].abs().sum() > 0
     finite, poisoned = x.clone(), x.clone()
     n_dead = int(dead.sum())
-    values = torch.randn(n_dead, H, generator=g) * torch.logspace(-30, 30, H) * (1e-9 if dtype == torch.float16 else 1)
-    finite[dead] = values.clamp(-6e4, 6e4).to(dtype) if dtype == torch.float16 else values.to(dtype)
+    values = torch.randn(n_dead, H, generator=g) * torch.logspace(-30, 30, H)  # any sign and size
+    if dtype == torch.float16:
+        values = (values * 1e-9).clamp(-6e4, 6e4)  # fp16's range, subnormals included
+    finite[dead] = values.to(dtype)
     poisoned[dead] = finite[dead]
     poisoned[dead.nonzero()[0, 0], 3] = float("nan")
     poisoned[dead.nonzero()[-1, 0], 5] = float("inf")
