@@ -208,6 +208,7 @@ void mark_gradient_rows(const BlockPlan& plan, std::int64_t a, std::int64_t b, s
 // own kernels).
 bool rows_without_gradient_finite(const std::uint16_t* x, std::int64_t H, const std::vector<char>& mark,
                                   std::int64_t n, int num_threads) {
+  if (std::all_of(mark.begin(), mark.begin() + n, [](char m) { return m != 0; })) return true;
   bool bad = false;
 #pragma omp parallel for num_threads(num_threads) schedule(static) reduction(|| : bad)
   for (std::int64_t i = 0; i < n; ++i) {

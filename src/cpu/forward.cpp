@@ -116,8 +116,7 @@ std::int64_t first_carried_row(const BlockPlan& plan, std::int64_t a) {
   if (s.base + s.len <= a) return a;  // the batch of row a - 1 ends there
   const std::int64_t pos = s.sp + (a - s.base);  // row a's position
   if (pos >= s.limit) return a;                  // the batch has no block left
-  const std::int64_t start = (pos / d.r - (d.coff - 1)) * d.r;
-  return std::max(s.base, s.base + start - s.sp);
+  return std::max(s.base, s.base + slot_position(d, pos / d.r, 0, 0) - s.sp);
 }
 
 // Zeroes output rows that hold no block (the NPU leaves them unwritten).

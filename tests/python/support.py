@@ -376,3 +376,10 @@ def io_ulp(t, dtype):
     frac, emin = {"bf16": (7, -126), "fp16": (10, -14)}[dtype]
     e = torch.floor(torch.log2(t.abs().clamp_min(2.0**emin))).clamp_min(emin)
     return torch.exp2(e - frac)
+
+
+def bits(t):
+    """A tensor's bit patterns (int16 or int32), so that comparisons tell -0 from +0 and NaNs apart
+    (torch.equal does neither)."""
+    t = torch.as_tensor(t).contiguous()
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])

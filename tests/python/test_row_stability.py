@@ -13,6 +13,7 @@ import torch
 
 import kvcomp
 import kvcomp.torch as kt
+from support import bits
 
 H, D, R = 96, 16, 4
 
@@ -200,12 +201,6 @@ def test_d_x_of_whole_tiles_equals_a_ragged_call(precision, coff, hidden, lens, 
     assert torch.equal(alone, after)
 
 
-def _bits(t):
-    """A tensor's bit patterns, so that comparisons tell -0 from +0 (torch.equal does not)."""
-    t = torch.as_tensor(t).contiguous()
-    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
 @pytest.mark.parametrize("precision", ["npu_parity", "precise"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("coff", [1, 2])
@@ -259,7 +254,7 @@ def test_rows_without_gradient_reach_no_gradient(th, coff, dtype, precision):
     for x_rows in (finite, poisoned):
         got = grads(x_rows)
         for a, b in zip(got, want):
-            assert torch.equal(_bits(a), _bits(b))
+            assert torch.equal(bits(a), bits(b))
 
 
 @pytest.mark.parametrize("prepared", [False, True])
