@@ -20,11 +20,17 @@
 #   5     python     <= 480 s      ctest -L 'python|cli' (their CUDA cases), the SIGSEGV probe
 #   6     bench      <= 420 s      issue 12's figures: `kvcomp bench --device cuda` and
 #                                  bench/torch_baselines.py
+#   7     amx        <= 500 s      issue 17's CPU targets on this machine's host CPU, which has AMX-BF16
+#                                  (the CPU they are set for; no development VM has it):
+#                                  scripts/device/cpu-targets.sh, 2 threads on two physical cores
+#   8     cpu        <= 480 s      the C++ CPU suites (ctest -LE 'cuda|python|cli') on that CPU: the AMX
+#                                  product path for real, where every other run emulates its packing
+#                                  (the Python suite's CPU cases run there in call 5)
 #
 #   LOG_DIR=$OUT bash scripts/device/gpu-session.sh <phase>
 #
 # In that order: a session with 15 minutes gets calls 1 and 2 (and 3 if start-up was quick); the
-# others go to the next session. Every phase but cuda builds incrementally (a no-op while the machine
+# others go to the next session. Calls 7 and 8 need no GPU and stand apart from issue 19's order. Every phase but cuda builds incrementally (a no-op while the machine
 # stays warm; a fresh machine rebuilds, ~3 min, inside the same limit). Logs and a summary go to
 # $LOG_DIR (default build-gpu/logs); keep them in the repository (docs/device-runs/<date>/).
 set -uo pipefail
@@ -92,8 +98,19 @@ case $phase in
     stamp "baselines rc=$?"
     tail -12 "$out/baselines.txt"
     ;;
+  amx)
+    stamp "build (incremental)"
+    LOG_DIR=$out timeout 200 bash $ondev --build-only >/dev/null || { stamp "build failed"; exit 1; }
+    timeout 290 bash scripts/device/cpu-targets.sh build-gpu "$out"
+    stamp "cpu-targets.sh rc=$?"
+    ;;
+  cpu)
+    stamp "ctest of the C++ CPU suites"
+    LOG_DIR=$out STOP_AFTER=420 TEST_JOBS=8 OMP_NUM_THREADS=2 timeout 470 bash $ondev -LE 'cuda|python|cli'
+    stamp "on-device.sh rc=$?"
+    ;;
   *)
-    echo "usage: gpu-session.sh cuda|measure|sanitize|large|python|bench" >&2
+    echo "usage: gpu-session.sh cuda|measure|sanitize|large|python|bench|amx|cpu" >&2
     exit 2
     ;;
 esac
