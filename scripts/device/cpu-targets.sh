@@ -10,11 +10,16 @@
 #              report) and cpu-targets.json (the report with every run's own figures)
 # It ends within about 4 minutes on a 2-core Zen 4 VM (`--more-decode`); gpu-session.sh gives it 300 s.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
-build=${1:?usage: cpu-targets.sh BUILD_DIR OUT_DIR [cpu_targets.py arguments]}
-out=${2:?usage: cpu-targets.sh BUILD_DIR OUT_DIR [cpu_targets.py arguments]}
+usage="usage: cpu-targets.sh BUILD_DIR OUT_DIR [cpu_targets.py arguments]"
+build=${1:?$usage}
+out=${2:?$usage}
 shift 2
+# Both taken from the caller's directory, before the move to the project root.
+[[ -d $build ]] || { echo "[cpu-targets] no build directory $build" >&2; exit 1; }
 mkdir -p "$out"
+build=$(cd "$build" && pwd)
+out=$(cd "$out" && pwd)
+cd "$(dirname "$0")/../.."
 kvcomp=$build/cli/kvcomp
 [[ -x $kvcomp ]] || { echo "[cpu-targets] no $kvcomp: build first" >&2; exit 1; }
 
@@ -36,7 +41,7 @@ run_pinned() {
 timeout 20 "$kvcomp" info >"$out/info.txt" 2>&1
 grep "^cpu" "$out/info.txt"
 # The end-to-end target imports kvcomp from this build (bench/torch_baselines.py, a child process).
-export PYTHONPATH=$(cd "$build" && pwd)/python${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$build/python${PYTHONPATH:+:$PYTHONPATH}
 export OMP_NUM_THREADS=2
 run_pinned timeout 280 python3 bench/cpu_targets.py --kvcomp "$kvcomp" --threads 2 --more-decode \
   --json "$out/cpu-targets.json" "$@" >"$out/cpu-targets.txt" 2>&1
