@@ -1077,3 +1077,38 @@ def test_cpu_targets_report(tmp_path, capsys):
         assert [v for _, v in row["others"]] == sorted(shares.values(), reverse=True), row
         top = ", ".join(f"{n} {v:.1f}" for n, v in row["others"][:3])
         assert f"| {row['call']} | {row['case']} | {row['call_ms']:.3f} | {row['products_pct']:.1f} | {top} |" in text
+
+
+def test_device_cpu_targets_script(tmp_path):
+    """scripts/device/cpu-targets.sh (the GPU machine's `amx` call, run nowhere else by CI): from another
+    directory, with relative paths, it records the CPU, the two cores it pins to and `kvcomp info`, and
+    runs bench/cpu_targets.py with --more-decode and the extra arguments, at 2 threads."""
+    script = HERE.parent.parent / "scripts" / "device" / "cpu-targets.sh"
+    build = Path(KVCOMP).resolve().parent.parent
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    build_rel = os.path.relpath(build, work)
+    proc = subprocess.run(["bash", str(script), build_rel, "out", "--tokens", "256", "--hidden", "64", "--varlen",
+                           "1", "--repeat", "1", "--decode", "1", "--decode-repeat", "1", "--skip-e2e"],
+                          cwd=work, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = work / "out"
+    cpu = (out / "cpu.txt").read_text()
+    pinned = re.search(r"pinned to: (.*)", cpu).group(1)
+    assert re.fullmatch(r"\d+(,\d+)?|none \(lscpu or taskset missing\)", pinned), cpu
+    assert (out / "info.txt").read_text().startswith("kvcomp "), (out / "info.txt").read_text()
+    report = json.loads((out / "cpu-targets.json").read_text())
+    args = report["args"]
+    assert (args["threads"], args["more_decode"], args["tokens"], args["hidden"], args["skip_e2e"]) == \
+        (2, True, 256, 64, True), args
+    assert Path(args["kvcomp"]).resolve() == build / "cli" / "kvcomp", args
+    counts = report["counts"]
+    assert sum(counts.values()) == len(report["targets"]) > 0, report["targets"]
+    text = (out / "cpu-targets.txt").read_text()
+    assert f"{counts['met']} met, {counts['missed']} missed, {counts['n/a']} n/a" in text
+    assert "[cpu-targets] bench/cpu_targets.py rc=0" in proc.stdout
+    # A build directory that does not exist: refused before anything runs.
+    bad = subprocess.run(["bash", str(script), "no-such-build", "out2"], cwd=work, capture_output=True, text=True,
+                         timeout=30)
+    assert bad.returncode == 1 and "no build directory no-such-build" in bad.stderr, bad.stderr
+    assert not (work / "out2").exists()
