@@ -32,7 +32,8 @@ if command -v lscpu >/dev/null && command -v taskset >/dev/null; then
 fi
 {
   grep -m1 'model name' /proc/cpuinfo
-  echo "bf16 units: $(grep -o -w 'amx_bf16\|amx_tile\|avx512_bf16\|avx512_fp16' /proc/cpuinfo | sort -u | paste -sd' ' -)"
+  units=$(grep -o -w 'amx_bf16\|amx_tile\|avx512_bf16\|avx512_fp16' /proc/cpuinfo | sort -u | paste -sd' ' -)
+  echo "bf16 units: ${units:-none}"
   echo "logical CPUs: $(nproc); pinned to: ${pin:-none (lscpu or taskset missing)}"
 } | tee "$out/cpu.txt"
 run_pinned() {

@@ -30,9 +30,10 @@
 #   LOG_DIR=$OUT bash scripts/device/gpu-session.sh <phase>
 #
 # In that order: a session with 15 minutes gets calls 1 and 2 (and 3 if start-up was quick); the
-# others go to the next session. Calls 7 and 8 need no GPU and stand apart from issue 19's order. Every phase but cuda builds incrementally (a no-op while the machine
-# stays warm; a fresh machine rebuilds, ~3 min, inside the same limit). Logs and a summary go to
-# $LOG_DIR (default build-gpu/logs); keep them in the repository (docs/device-runs/<date>/).
+# others go to the next session. Calls 7 and 8 need no GPU and stand apart from issue 19's order.
+# Every phase but cuda builds incrementally (a no-op while the machine stays warm; a fresh machine
+# rebuilds, ~3 min, inside the same limit). Logs and a summary go to $LOG_DIR (default
+# build-gpu/logs); keep them in the repository (docs/device-runs/<date>/).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-cuda}
