@@ -29,10 +29,17 @@ constexpr std::int64_t kPanelCallRows = 128;
 // docs/performance.md). Not fewer per thread: a packed B (AMX) runs a chunk as 64-row tiles per
 // product, and 2 x chunk / 64 tiles must keep every thread busy. The products give a row the same bits
 // whatever the chunk (row-stable), and a block's softmax does not depend on it, so neither do the
-// outputs. The fp32 products keep kChunkRows: their sgemm tiles are 192 or 256 rows (gemm.cpp), and
-// smaller chunks measured no faster there.
-std::int64_t forward_chunk_rows(bool bf16, int num_threads) {
-  if (!bf16) return kChunkRows;
+// outputs. The fp32 products take four of their row tiles (gemm_tile_rows: 256 rows, or 192 on AVX2):
+// 1024 rows as before where the tile is 256, 768 on AVX2, where a 1024-row chunk was padded to 1056
+// rows (the 96-row quantum) and run as five 192-row tiles and a 96-row one. AMD Zen 4 capped at AVX2
+// (DNNL_MAX_CPU_ISA=AVX2 KVCOMP_ISA=avx2), 2 threads, H = 4096, bf16 io, T = 4096, five alternating
+// rounds, forward / its fp32 products alone: C4A BSH 1.097-1.146 -> 1.092-1.110 (357.6-375.0 ->
+// 348.1-360.3 ms), C4A TH 1.111-1.151 -> 1.093-1.117, C128A BSH 1.123-1.184 -> 1.077-1.131, C128A TH
+// 1.122-1.156 -> 1.070-1.124 (C4Li within its noise); 960 rows measured as 1024, 576 as 768. On
+// AVX-512 a 768-row chunk where the tile is 192 (K < 1200) measured as 1024 (fp16 io, H = 1024). Same
+// bits: a row's products do not depend on its chunk.
+std::int64_t forward_chunk_rows(const Dims& d, bool bf16, int num_threads) {
+  if (!bf16) return 4 * gemm_tile_rows(d.H, true);
   return std::clamp<std::int64_t>(128 * std::int64_t{std::max(num_threads, 1)}, 256, kChunkRows);
 }
 
@@ -62,7 +69,7 @@ struct ForwardBuffers {
   ForwardBuffers(const Dims& d, const PreparedView& prepared, int num_threads, void* base) {
     WorkspaceLayout ws(base);
     bf16 = d.io == DType::bf16 && bf16_product_kernel();
-    chunk = forward_chunk_rows(bf16, num_threads);
+    chunk = forward_chunk_rows(d, bf16, num_threads);
     // Rp: the chunk's rows padded for a row-stable product (gemm.hpp, gemm_bf16.hpp).
     const std::int64_t R = std::min(chunk, std::max<std::int64_t>(d.T, 1));
     const std::int64_t Rp = std::max(gemm_row_capacity(R), bf16_padded_rows(R));

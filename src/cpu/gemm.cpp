@@ -349,6 +349,8 @@ std::int64_t gemm_row_quantum(bool b_transposed) {
   return b_transposed ? 96 : 64;
 }
 
+std::int64_t gemm_tile_rows(std::int64_t K, bool b_transposed) { return tile_m(K, b_transposed); }
+
 std::int64_t gemm_padded_rows(std::int64_t rows, bool b_transposed) {
   const std::int64_t q = gemm_row_quantum(b_transposed);
   if (row_stable() && !onednn_has_avx512() && rows > 0 && rows <= q) {

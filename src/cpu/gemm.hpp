@@ -48,6 +48,9 @@ constexpr std::int64_t kMaxRowQuantum = 96;
 // one quantum pads only to the next row count of 0, 4 or 5 modulo 6 (1 -> 4
 // rows, not 96: gemm.cpp says why that computes each row alike).
 std::int64_t gemm_padded_rows(std::int64_t rows, bool b_transposed);
+// Rows per tile of gemm_f32's products of depth K: 192 where oneDNN runs its AVX2 sgemm (and on AVX-512
+// with B transposed and K < 1200), else 256 (gemm.cpp says why).
+std::int64_t gemm_tile_rows(std::int64_t K, bool b_transposed);
 // Rows a buffer of `rows` token rows needs so that either padding fits.
 inline std::int64_t gemm_row_capacity(std::int64_t rows) {
   const std::int64_t a = gemm_padded_rows(rows, true), b = gemm_padded_rows(rows, false);
