@@ -148,6 +148,39 @@ std::optional<SgemmOrder> projection_order(std::int64_t half, std::int64_t K, st
   return std::nullopt;
 }
 
+// gemm_b_plain_same_bits's probe, on one thread with the OpenMP limit 1: the last 16, 208 and 256 rows of
+// a 256-row A against the full column tile and the last one of B, each product with B transposed and
+// with B plain, bit for bit. Memory from std::malloc (as sgemm_order_for's: nothing with operator new);
+// none: false.
+bool probe_b_plain(std::int64_t N, std::int64_t K, std::int64_t lda, std::int64_t ldb_t,
+                   std::int64_t ldb_plain) {
+  constexpr std::int64_t rows = 256;
+  const std::int64_t full = std::min(kTileN, N), last = N - (N - 1) / kTileN * kTileN;
+  const std::size_t floats =
+      static_cast<std::size_t>(rows * lda + full * ldb_t + K * ldb_plain + 2 * rows * full);
+  const std::unique_ptr<float, decltype(&std::free)> mem(
+      static_cast<float*>(std::malloc(floats * sizeof(float))), &std::free);
+  if (!mem) return false;
+  float* const a = mem.get();
+  float* const bt = a + rows * lda;
+  float* const b = bt + full * ldb_t;
+  float* const c_t = b + K * ldb_plain;
+  float* const c_plain = c_t + rows * full;
+  fill_probe(a, static_cast<std::size_t>(rows * lda), 0x27d4eb2fu + static_cast<std::uint32_t>(K));
+  fill_probe(bt, static_cast<std::size_t>(full * ldb_t), 0x165667b1u + static_cast<std::uint32_t>(N));
+  for (std::int64_t k = 0; k < K; ++k)
+    for (std::int64_t n = 0; n < full; ++n) b[k * ldb_plain + n] = bt[n * ldb_t + k];
+  for (const std::int64_t nt : {full, last})
+    for (const std::int64_t m : {std::int64_t{16}, std::int64_t{208}, rows}) {
+      const float* a_m = a + (rows - m) * lda;
+      if (dnnl_sgemm('N', 'T', m, nt, K, 1.0f, a_m, lda, bt, ldb_t, 0.0f, c_t, nt) != dnnl_success ||
+          dnnl_sgemm('N', 'N', m, nt, K, 1.0f, a_m, lda, b, ldb_plain, 0.0f, c_plain, nt) != dnnl_success ||
+          std::memcmp(c_t, c_plain, static_cast<std::size_t>(m * nt) * sizeof(float)) != 0)
+        return false;
+    }
+  return true;
+}
+
 // KVCOMP_ROW_STABLE=0 (read once per process) turns the padding off: calls
 // of fewer than 16 rows (decode) then take oneDNN's short-call path, about
 // twice as fast at one row (docs/performance.md), and their rows no longer
@@ -350,6 +383,37 @@ std::int64_t gemm_row_quantum(bool b_transposed) {
 }
 
 std::int64_t gemm_tile_rows(std::int64_t K, bool b_transposed) { return tile_m(K, b_transposed); }
+
+bool gemm_b_plain_same_bits(std::int64_t N, std::int64_t K, std::int64_t lda, std::int64_t ldb_t,
+                            std::int64_t ldb_plain) {
+  // Only where both layouts' tiles are the same 256 rows of sgemm's copy-based kernel.
+  if (!row_stable() || !onednn_has_avx512() || N <= 0 || K < 1200 || tile_m(K, true) != 256 ||
+      tile_m(K, false) != 256)
+    return false;
+  struct Entry {
+    std::int64_t n, k, lda, ldb_t, ldb_plain;
+    bool same;
+  };
+  static std::mutex mu;
+  static std::array<Entry, 16> known;
+  static std::size_t used = 0;
+  {
+    const std::lock_guard<std::mutex> lock(mu);
+    for (std::size_t i = 0; i < used; ++i)
+      if (known[i].n == N && known[i].k == K && known[i].lda == lda && known[i].ldb_t == ldb_t &&
+          known[i].ldb_plain == ldb_plain)
+        return known[i].same;
+  }
+  bool same = false;
+#pragma omp parallel num_threads(1)
+  {
+    omp_set_num_threads(1);
+    same = probe_b_plain(N, K, lda, ldb_t, ldb_plain);
+  }
+  const std::lock_guard<std::mutex> lock(mu);
+  if (used < known.size()) known[used++] = Entry{N, K, lda, ldb_t, ldb_plain, same};
+  return same;
+}
 
 std::int64_t gemm_padded_rows(std::int64_t rows, bool b_transposed) {
   const std::int64_t q = gemm_row_quantum(b_transposed);
