@@ -215,7 +215,7 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
     }
   } else if (prepared.kv) {  // wkv rows then wgate rows: one fp32 matrix
     wcat = static_cast<const float*>(prepared.kv);
-  } else if (!half_in_place && buf.wcat && w_plain) {  // [wkv ; wgate]^T: [H, 2C]
+  } else if (w_plain) {  // [wkv ; wgate]^T: [H, 2C]
     rows_to_f32_transposed(args.wkv.data, d.io, C, H, buf.wcat, buf.ld_c2, num_threads);
     rows_to_f32_transposed(args.wgate.data, d.io, C, H, buf.wcat + C, buf.ld_c2, num_threads);
   } else if (!half_in_place && buf.wcat) {

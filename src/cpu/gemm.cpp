@@ -170,8 +170,10 @@ bool probe_b_plain(std::int64_t N, std::int64_t K, std::int64_t lda, std::int64_
   fill_probe(bt, static_cast<std::size_t>(full * ldb_t), 0x165667b1u + static_cast<std::uint32_t>(N));
   for (std::int64_t k = 0; k < K; ++k)
     for (std::int64_t n = 0; n < full; ++n) b[k * ldb_plain + n] = bt[n * ldb_t + k];
-  for (const std::int64_t nt : {full, last})
+  const std::int64_t widths[] = {full, last};
+  for (int w = 0; w < (last == full ? 1 : 2); ++w)
     for (const std::int64_t m : {std::int64_t{16}, std::int64_t{208}, rows}) {
+      const std::int64_t nt = widths[w];
       const float* a_m = a + (rows - m) * lda;
       if (dnnl_sgemm('N', 'T', m, nt, K, 1.0f, a_m, lda, bt, ldb_t, 0.0f, c_t, nt) != dnnl_success ||
           dnnl_sgemm('N', 'N', m, nt, K, 1.0f, a_m, lda, b, ldb_plain, 0.0f, c_plain, nt) != dnnl_success ||
