@@ -189,8 +189,9 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
   // The long fp32-product call's weights widened as [H, 2C] where oneDNN's sgemm gives the same bits from
   // there as from [2C, H], and runs faster (AVX-512: 189 -> 221 GFLOP/s per 256 x 256 tile at K = 4096 on
   // AMD Zen 4, docs/performance.md).
-  const bool w_plain = !buf.bf16 && !prepared.kv && !half_in_place && buf.wcat &&
-                       gemm_b_plain_same_bits(2 * C, H, buf.ld_h, buf.ld_h, buf.ld_c2);
+  // (buf.wcat: an fp32-product call without prepared weights, longer than one row tile.)
+  const bool w_plain =
+      buf.wcat && !half_in_place && gemm_b_plain_same_bits(2 * C, H, buf.ld_h, buf.ld_h, buf.ld_c2);
   // The AVX-512 panels kvcomp's bf16 kernel reads: the prepared ones, else written now for a long call.
   const std::uint16_t* panels[] = {prepared.kv_panels, prepared.gate_panels};
   if (buf.bf16) {

@@ -11,6 +11,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <utility>
 
 #include "cpu/convert.hpp"
 #include "cpu/gemm_rows.hpp"
@@ -105,37 +106,46 @@ std::optional<SgemmOrder> probe_avx512_order(std::int64_t nt, std::int64_t K, st
   return std::nullopt;
 }
 
+// The results of one probe of oneDNN's sgemm, per key (shape and strides), kept for the process: a fixed
+// table of N entries, nothing allocated with operator new; past N a key is probed each time. The probe
+// runs on one thread with the OpenMP limit 1, as gemm_f32 runs each sgemm tile.
+template <class Key, class Value, std::size_t N>
+class ProbeTable {
+ public:
+  template <class Probe>
+  Value get(const Key& key, Probe&& probe) {
+    {
+      const std::lock_guard<std::mutex> lock(mu_);
+      for (std::size_t i = 0; i < used_; ++i)
+        if (known_[i].first == key) return known_[i].second;
+    }
+    Value value{};
+#pragma omp parallel num_threads(1)
+    {
+      omp_set_num_threads(1);
+      value = probe();
+    }
+    const std::lock_guard<std::mutex> lock(mu_);
+    if (used_ < N) known_[used_++] = {key, value};
+    return value;
+  }
+
+ private:
+  std::mutex mu_;
+  std::array<std::pair<Key, Value>, N> known_{};
+  std::size_t used_ = 0;
+};
+
 // sgemm's order for a tile of nt columns and depth K, A and B (stored [nt, K]) with row strides lda and
 // ldb: none unless nt is a multiple of 16 (the kernel's groups); the AVX2 sgemm's is the same for every
 // shape and stride (checked once per process by use_rows_kernel); the AVX-512 sgemm's is probed once per
-// shape and strides and kept (a fixed table, nothing allocated with operator new; past its 32 entries a
-// shape is probed each time).
+// shape and strides and kept (a ProbeTable of 32).
 std::optional<SgemmOrder> sgemm_order_for(std::int64_t nt, std::int64_t K, std::int64_t lda,
                                           std::int64_t ldb) {
   if (nt <= 0 || nt % 16 != 0 || K <= 0) return std::nullopt;
   if (!onednn_has_avx512()) return kSgemmAvx2;
-  struct Entry {
-    std::int64_t nt, k, lda, ldb;
-    std::optional<SgemmOrder> order;
-  };
-  static std::mutex mu;
-  static std::array<Entry, 32> known;
-  static std::size_t used = 0;
-  {
-    const std::lock_guard<std::mutex> lock(mu);
-    for (std::size_t i = 0; i < used; ++i)
-      if (known[i].nt == nt && known[i].k == K && known[i].lda == lda && known[i].ldb == ldb)
-        return known[i].order;
-  }
-  std::optional<SgemmOrder> order;
-#pragma omp parallel num_threads(1)
-  {
-    omp_set_num_threads(1);
-    order = probe_avx512_order(nt, K, lda, ldb);
-  }
-  const std::lock_guard<std::mutex> lock(mu);
-  if (used < known.size()) known[used++] = Entry{nt, K, lda, ldb, order};
-  return order;
+  static ProbeTable<std::array<std::int64_t, 4>, std::optional<SgemmOrder>, 32> orders;
+  return orders.get({nt, K, lda, ldb}, [&] { return probe_avx512_order(nt, K, lda, ldb); });
 }
 
 // The one order of all sgemm tiles of the forward projection [n, 2 half] (gemm_f32's column tiles over
@@ -150,8 +160,8 @@ std::optional<SgemmOrder> projection_order(std::int64_t half, std::int64_t K, st
 
 // gemm_b_plain_same_bits's probe, on one thread with the OpenMP limit 1: the last 16, 208 and 256 rows of
 // a 256-row A against the full column tile and the last one of B, each product with B transposed and
-// with B plain, bit for bit. Memory from std::malloc (as sgemm_order_for's: nothing with operator new);
-// none: false.
+// with B plain, bit for bit. Memory from std::malloc (as probe_avx512_order's: nothing with operator
+// new); none: false.
 bool probe_b_plain(std::int64_t N, std::int64_t K, std::int64_t lda, std::int64_t ldb_t,
                    std::int64_t ldb_plain) {
   constexpr std::int64_t rows = 256;
@@ -392,29 +402,8 @@ bool gemm_b_plain_same_bits(std::int64_t N, std::int64_t K, std::int64_t lda, st
   if (!row_stable() || !onednn_has_avx512() || N <= 0 || K < 1200 || tile_m(K, true) != 256 ||
       tile_m(K, false) != 256)
     return false;
-  struct Entry {
-    std::int64_t n, k, lda, ldb_t, ldb_plain;
-    bool same;
-  };
-  static std::mutex mu;
-  static std::array<Entry, 16> known;
-  static std::size_t used = 0;
-  {
-    const std::lock_guard<std::mutex> lock(mu);
-    for (std::size_t i = 0; i < used; ++i)
-      if (known[i].n == N && known[i].k == K && known[i].lda == lda && known[i].ldb_t == ldb_t &&
-          known[i].ldb_plain == ldb_plain)
-        return known[i].same;
-  }
-  bool same = false;
-#pragma omp parallel num_threads(1)
-  {
-    omp_set_num_threads(1);
-    same = probe_b_plain(N, K, lda, ldb_t, ldb_plain);
-  }
-  const std::lock_guard<std::mutex> lock(mu);
-  if (used < known.size()) known[used++] = Entry{N, K, lda, ldb_t, ldb_plain, same};
-  return same;
+  static ProbeTable<std::array<std::int64_t, 5>, bool, 16> same;
+  return same.get({N, K, lda, ldb_t, ldb_plain}, [&] { return probe_b_plain(N, K, lda, ldb_t, ldb_plain); });
 }
 
 std::int64_t gemm_padded_rows(std::int64_t rows, bool b_transposed) {
