@@ -17,8 +17,8 @@ void rows_to_f32(const void* src, DType dt, std::int64_t rows, std::int64_t cols
     to_f32(bytes + static_cast<std::size_t>(i) * row_bytes, dt, dst + i * ld, cols);
 }
 
-void rows_to_f32_transposed(const void* src, DType dt, std::int64_t rows, std::int64_t cols, float* dst,
-                            std::int64_t ld, int num_threads) {
+void rows_to_f32_transposed(const void* src, DType dt, std::int64_t rows, std::int64_t cols,
+                            std::int64_t src_ld, float* dst, std::int64_t ld, int num_threads) {
   constexpr std::int64_t kRows = 16, kCols = 64;  // a tile: 16 source rows of 64 values
   const auto* bytes = static_cast<const unsigned char*>(src);
   const std::size_t size = dtype_size(dt);
@@ -30,7 +30,7 @@ void rows_to_f32_transposed(const void* src, DType dt, std::int64_t rows, std::i
     for (std::int64_t i0 = 0; i0 < rows; i0 += kRows) {
       const std::int64_t h = std::min(kRows, rows - i0);
       for (std::int64_t i = 0; i < h; ++i)
-        k.to_f32(bytes + static_cast<std::size_t>((i0 + i) * cols + j0) * size, dt, tile[i], w);
+        k.to_f32(bytes + static_cast<std::size_t>((i0 + i) * src_ld + j0) * size, dt, tile[i], w);
       for (std::int64_t j = 0; j < w; ++j)
         for (std::int64_t i = 0; i < h; ++i) dst[(j0 + j) * ld + i0 + i] = tile[i][j];
     }

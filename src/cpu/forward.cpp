@@ -45,7 +45,8 @@ std::int64_t forward_chunk_rows(const Dims& d, bool bf16, int num_threads) {
 
 struct ForwardBuffers {
   std::int64_t ld_h, ld_c2;  // padded leading dimensions
-  float* wcat = nullptr;     // [2C, ld_h]: wkv rows then wgate rows, fp32 (fp32 products of a longer call)
+  // fp32 products of a longer call: wkv rows then wgate rows in fp32, [2C, ld_h], or transposed, [H, ld_c2]
+  float* wcat = nullptr;
   float* widen = nullptr;    // fp32 products of one row tile: each thread's column tile of the fp32 weights
   float* xf = nullptr;       // [Rp, ld_h]: the chunk's x rows in fp32, zero rows up to the GEMM's padded M
   float* proj;    // [coff*r + Rp, ld_c2]: projections (kv | score+ape) of the chunk and the rows before it
@@ -97,6 +98,10 @@ struct ForwardBuffers {
               static_cast<std::int64_t>(gemm_widen_scratch_floats(2 * d.C, ld_h, num_threads)));
         else  // [2C, ld_h], or transposed, [H, ld_c2] (gemm_b_plain_same_bits)
           wcat = ws.take<float>(std::max(2 * d.C * ld_h, d.H * ld_c2));
+      } else if (d.T >= chunk && gemm_b_plain_same_bits(2 * d.C, d.H, ld_h, ld_h, ld_c2)) {
+        // The blob's [2C, ld_h] transposed to [H, ld_c2] for a call of a whole chunk or more: the
+        // faster plain B gains more than the copy costs (run_forward).
+        wcat = ws.take<float>(d.H * ld_c2);
       }
       xf = ws.take<float>(Rp * ld_h);
     }
@@ -189,7 +194,10 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
   // The long fp32-product call's weights widened as [H, 2C] where oneDNN's sgemm gives the same bits from
   // there as from [2C, H], and runs faster (AVX-512: 189 -> 221 GFLOP/s per 256 x 256 tile at K = 4096 on
   // AMD Zen 4, docs/performance.md).
-  // (buf.wcat: an fp32-product call without prepared weights, longer than one row tile.)
+  // (buf.wcat: an fp32-product call without prepared weights, longer than one row tile, or with them, of
+  // a whole chunk or more, where the probe already held.) The prepared blob's [2C, H] is transposed:
+  // fp16 io, C4A, T = 4096, H = 4096 on AMD Zen 4 (2 threads): 389-416 ms with the blob as it is,
+  // 343-355 ms without a blob.
   const bool w_plain =
       buf.wcat && !half_in_place && gemm_b_plain_same_bits(2 * C, H, buf.ld_h, buf.ld_h, buf.ld_c2);
   // The AVX-512 panels kvcomp's bf16 kernel reads: the prepared ones, else written now for a long call.
@@ -214,11 +222,13 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
       b_kv = buf.packed_kv;
       b_gate = buf.packed_gate;
     }
-  } else if (prepared.kv) {  // wkv rows then wgate rows: one fp32 matrix
+  } else if (prepared.kv && !w_plain) {  // wkv rows then wgate rows: one fp32 matrix, [2C, ld_h]
     wcat = static_cast<const float*>(prepared.kv);
+  } else if (prepared.kv) {  // that matrix transposed (the blob's, even where wkv and wgate differ from it)
+    rows_to_f32_transposed(prepared.kv, DType::f32, 2 * C, H, buf.ld_h, buf.wcat, buf.ld_c2, num_threads);
   } else if (w_plain) {  // [wkv ; wgate]^T: [H, 2C]
-    rows_to_f32_transposed(args.wkv.data, d.io, C, H, buf.wcat, buf.ld_c2, num_threads);
-    rows_to_f32_transposed(args.wgate.data, d.io, C, H, buf.wcat + C, buf.ld_c2, num_threads);
+    rows_to_f32_transposed(args.wkv.data, d.io, C, H, H, buf.wcat, buf.ld_c2, num_threads);
+    rows_to_f32_transposed(args.wgate.data, d.io, C, H, H, buf.wcat + C, buf.ld_c2, num_threads);
   } else if (!half_in_place && buf.wcat) {
     rows_to_f32(args.wkv.data, d.io, C, H, buf.wcat, buf.ld_h, num_threads);
     rows_to_f32(args.wgate.data, d.io, C, H, buf.wcat + C * buf.ld_h, buf.ld_h, num_threads);

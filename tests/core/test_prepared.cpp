@@ -259,7 +259,8 @@ TEST(PreparedDecode, RawSixteenBitWeightsGiveThePreparedBits) {
 
 
 // A forward that names prepared weights plans no workspace for the form of the weights the blob holds
-// (fp32 rows, AMX's packed B or the AVX-512 panels of a long bf16 call), runs in exactly the size planned
+// (fp32 rows, AMX's packed B or the AVX-512 panels of a long bf16 call; a long fp32-product call of depth
+// H >= 1200 may plan room to transpose the fp32 rows, below), runs in exactly the size planned
 // with the bits of the call without, and refuses, before writing, a blob swapped after planning for one
 // that holds less.
 struct PreparedWorkspace : ::testing::Test {
@@ -305,6 +306,39 @@ TEST_F(PreparedWorkspace, NoRoomForWhatTheBlobHolds) {
     EXPECT_TRUE(same_bits(plain.cmp_kv, prepared.cmp_kv)) << what;
     EXPECT_TRUE(same_bits(plain.softmax_score, prepared.softmax_score)) << what;
     EXPECT_TRUE(same_bits(plain.cache, prepared.cache)) << what;
+  }
+}
+
+// A long call on fp32 products (fp16 io) whose depth H takes oneDNN's copy-based sgemm (K >= 1200) reads
+// the blob's fp32 rows transposed, as [H, 2C], where the products give the same bits from there (forward.cpp,
+// gemm_b_plain_same_bits): bitwise the call without the blob, and still the blob's weights, not the
+// call's, when they differ (prepare_weights: a stale blob gives the old weights' results). 1100 rows: a
+// whole chunk of the products and a part of one, whichever the tile.
+TEST_F(PreparedWorkspace, ALongFp32CallReadsTheBlobItself) {
+  SweepCase c = long_case(DType::f16);
+  c.H = 1536;
+  c.S = 1100;
+  auto rc = make_random_case(c.options(), c.forward_seed);
+  round_io_inputs(rc.in, c.io);
+  ForwardRun plain(rc.problem, rc.in, c.io), prepared(rc.problem, rc.in, c.io), stale(rc.problem, rc.in, c.io);
+  std::vector<unsigned char> blob, stale_blob;
+  prepare(prepared, blob);
+  prepare(stale, stale_blob);
+  // The stale call's own weights change after its blob was made: every value negated.
+  for (Buffer* w : {&stale.seq.wkv, &stale.seq.wgate})
+    for (std::uint16_t& h : w->half) h ^= 0x8000u;
+  ASSERT_TRUE(plain.run().ok());
+  for (ForwardRun* r : {&prepared, &stale}) {
+    const char* what = r == &prepared ? "prepared" : "stale blob";
+    ForwardPlan plan;
+    ASSERT_TRUE(plan_forward(r->args, Options{}, &plan).ok()) << what;
+    std::vector<unsigned char> ws(plan.workspace_size());
+    const Status s = execute(plan, ws.data(), ws.size());
+    ASSERT_TRUE(s.ok()) << what << ": " << s.message;
+    EXPECT_TRUE(same_bits(plain.cmp_kv, r->cmp_kv)) << what;
+    EXPECT_TRUE(same_bits(plain.softmax_score, r->softmax_score)) << what;
+    EXPECT_TRUE(same_bits(plain.kv, r->kv)) << what;
+    EXPECT_TRUE(same_bits(plain.cache, r->cache)) << what;
   }
 }
 
