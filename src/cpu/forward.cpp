@@ -92,16 +92,15 @@ struct ForwardBuffers {
       // A call of one row tile (decode) widens the weights tile by tile, in the caches; a longer one
       // reads each column tile once per row tile, so it widens them once, whole; a blob holds them
       // widened.
+      const bool one_pass = gemm_one_column_pass(gemm_padded_rows(R, true), d.H);
       if (!prepared.kv) {
-        if (gemm_one_column_pass(gemm_padded_rows(R, true), d.H))
+        if (one_pass)
           widen = ws.take<float>(
               static_cast<std::int64_t>(gemm_widen_scratch_floats(2 * d.C, ld_h, num_threads)));
         else  // [2C, ld_h], or transposed, [H, ld_c2] (gemm_b_plain_same_bits)
           wcat = ws.take<float>(std::max(2 * d.C * ld_h, d.H * ld_c2));
-      } else if (d.T >= chunk && gemm_b_plain_same_bits(2 * d.C, d.H, ld_h, ld_h, ld_c2)) {
-        // The blob's [2C, ld_h] transposed to [H, ld_c2] for a call of a whole chunk or more: the
-        // faster plain B gains more than the copy costs (run_forward).
-        wcat = ws.take<float>(d.H * ld_c2);
+      } else if (!one_pass && gemm_b_plain_same_bits(2 * d.C, d.H, ld_h, ld_h, ld_c2)) {
+        wcat = ws.take<float>(d.H * ld_c2);  // the blob's rows transposed (run_forward)
       }
       xf = ws.take<float>(Rp * ld_h);
     }
@@ -194,10 +193,10 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
   // The long fp32-product call's weights widened as [H, 2C] where oneDNN's sgemm gives the same bits from
   // there as from [2C, H], and runs faster (AVX-512: 189 -> 221 GFLOP/s per 256 x 256 tile at K = 4096 on
   // AMD Zen 4, docs/performance.md).
-  // (buf.wcat: an fp32-product call without prepared weights, longer than one row tile, or with them, of
-  // a whole chunk or more, where the probe already held.) The prepared blob's [2C, H] is transposed:
-  // fp16 io, C4A, T = 4096, H = 4096 on AMD Zen 4 (2 threads): 389-416 ms with the blob as it is,
-  // 343-355 ms without a blob.
+  // (buf.wcat: an fp32-product call longer than one row tile, without prepared weights, or with them
+  // where the probe already held.) A prepared blob's [2C, H] is transposed too: fp16 io, C4A, H = 4096
+  // on AMD Zen 4 (2 threads), T = 4096: 389-416 ms with the blob as it is, 328-334 ms transposed
+  // (343-355 ms without a blob); T = 768: 71.9-77.5 -> 67.2-68.0 ms; T = 300 (two row tiles): the same.
   const bool w_plain =
       buf.wcat && !half_in_place && gemm_b_plain_same_bits(2 * C, H, buf.ld_h, buf.ld_h, buf.ld_c2);
   // The AVX-512 panels kvcomp's bf16 kernel reads: the prepared ones, else written now for a long call.

@@ -312,8 +312,8 @@ TEST_F(PreparedWorkspace, NoRoomForWhatTheBlobHolds) {
 // A long call on fp32 products (fp16 io) whose depth H takes oneDNN's copy-based sgemm (K >= 1200) reads
 // the blob's fp32 rows transposed, as [H, 2C], where the products give the same bits from there (forward.cpp,
 // gemm_b_plain_same_bits): bitwise the call without the blob, and still the blob's weights, not the
-// call's, when they differ (prepare_weights: a stale blob gives the old weights' results). 1100 rows: a
-// whole chunk of the products and a part of one, whichever the tile.
+// call's, when they differ (prepare_weights: a stale blob gives the old weights' results). 1100 rows:
+// whole row tiles of the products and a part of one, and a chunk and a part of one, whichever the tile.
 TEST_F(PreparedWorkspace, ALongFp32CallReadsTheBlobItself) {
   SweepCase c = long_case(DType::f16);
   c.H = 1536;
