@@ -135,7 +135,8 @@ struct ForwardArgs : SequenceArgs {
   // Optional (CPU): this call's wkv and wgate as prepare_weights() wrote them, and that blob's size.
   // The call then skips converting or packing the weights; its outputs are bitwise the same, and its
   // plan sizes no workspace for what the blob holds (execute refuses a blob that holds less than the
-  // one planned with: plan again).
+  // one planned with: plan again). A call of more than one row tile on fp32 products may still copy
+  // the blob's fp32 rows, transposed, where oneDNN's sgemm runs faster from there with the same bits.
   const void* prepared_weights = nullptr;
   std::size_t prepared_weights_bytes = 0;
 

@@ -292,7 +292,8 @@ def prepare_weights(wkv, wgate, *, num_threads=None):
     fp16 / fp32 io, ``KVCOMP_PRODUCTS=f32``) or packs them (AMX): 2 * C * H weights read and written
     per call, more than a decode call's products cost. Pass the result as ``prepared_weights=`` to
     ``compressor_forward`` / ``kvcomp.torch.compressor`` and the call skips that step, with bitwise
-    the same results.
+    the same results (a call of more than one row tile on fp32 products may still transpose the
+    blob's fp32 rows, where oneDNN's sgemm runs faster from there with the same bits).
 
     The result is a snapshot: prepare again after the weights change (a stale one gives the old
     weights' results). It belongs to this process's product kernels (``product_kernels()``) and to
