@@ -195,8 +195,8 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
   // AMD Zen 4, docs/performance.md).
   // (buf.wcat: an fp32-product call longer than one row tile, without prepared weights, or with them
   // where the probe already held.) A prepared blob's [2C, H] is transposed too: fp16 io, C4A, H = 4096
-  // on AMD Zen 4 (2 threads), T = 4096: 389-416 ms with the blob as it is, 328-334 ms transposed
-  // (343-355 ms without a blob); T = 768: 71.9-77.5 -> 67.2-68.0 ms; T = 300 (two row tiles): the same.
+  // on AMD Zen 4 (2 threads), T = 4096: 380-395 ms with the blob as it is, 326-348 ms transposed (as
+  // without a blob); T = 768: 71.2-77.7 -> 64.6-75.4 ms; T = 300 (two row tiles): the same.
   const bool w_plain =
       buf.wcat && !half_in_place && gemm_b_plain_same_bits(2 * C, H, buf.ld_h, buf.ld_h, buf.ld_c2);
   // The AVX-512 panels kvcomp's bf16 kernel reads: the prepared ones, else written now for a long call.
