@@ -47,6 +47,9 @@ struct ForwardBuffers {
   std::int64_t ld_h, ld_c2;  // padded leading dimensions
   // fp32 products of a longer call: wkv rows then wgate rows in fp32, [2C, ld_h], or transposed, [H, ld_c2]
   float* wcat = nullptr;
+  // The longer call's weights read as the plain B [H, ld_c2] (gemm_b_plain_same_bits): widened so from
+  // the 16-bit weights, or the blob's fp32 rows transposed.
+  bool w_plain = false;
   float* widen = nullptr;    // fp32 products of one row tile: each thread's column tile of the fp32 weights
   float* xf = nullptr;       // [Rp, ld_h]: the chunk's x rows in fp32, zero rows up to the GEMM's padded M
   float* proj;    // [coff*r + Rp, ld_c2]: projections (kv | score+ape) of the chunk and the rows before it
@@ -90,18 +93,17 @@ struct ForwardBuffers {
         panels = ws.take<std::uint16_t>(2 * static_cast<std::int64_t>(bf16_panel_elements(d.C, d.H)));
     } else {
       // A call of one row tile (decode) widens the weights tile by tile, in the caches; a longer one
-      // reads each column tile once per row tile, so it widens them once, whole; a blob holds them
-      // widened.
+      // reads each column tile once per row tile, so it widens them once, whole, as [H, 2C] where the
+      // probe holds (a blob's fp32 rows transposed so too), else as [2C, H]; a blob holds the latter.
       const bool one_pass = gemm_one_column_pass(gemm_padded_rows(R, true), d.H);
-      if (!prepared.kv) {
-        if (one_pass)
-          widen = ws.take<float>(
-              static_cast<std::int64_t>(gemm_widen_scratch_floats(2 * d.C, ld_h, num_threads)));
-        else  // [2C, ld_h], or transposed, [H, ld_c2] (gemm_b_plain_same_bits)
-          wcat = ws.take<float>(std::max(2 * d.C * ld_h, d.H * ld_c2));
-      } else if (!one_pass && gemm_b_plain_same_bits(2 * d.C, d.H, ld_h, ld_h, ld_c2)) {
-        wcat = ws.take<float>(d.H * ld_c2);  // the blob's rows transposed (run_forward)
-      }
+      w_plain = !one_pass && gemm_b_plain_same_bits(2 * d.C, d.H, ld_h, ld_h, ld_c2);
+      if (w_plain)
+        wcat = ws.take<float>(d.H * ld_c2);
+      else if (!prepared.kv && one_pass)
+        widen =
+            ws.take<float>(static_cast<std::int64_t>(gemm_widen_scratch_floats(2 * d.C, ld_h, num_threads)));
+      else if (!prepared.kv)
+        wcat = ws.take<float>(2 * d.C * ld_h);
       xf = ws.take<float>(Rp * ld_h);
     }
     proj = ws.take<float>((d.coff * d.r + Rp) * ld_c2);
@@ -192,13 +194,10 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
   const bool half_in_place = in_place_order.has_value();
   // The long fp32-product call's weights widened as [H, 2C] where oneDNN's sgemm gives the same bits from
   // there as from [2C, H], and runs faster (AVX-512: 189 -> 221 GFLOP/s per 256 x 256 tile at K = 4096 on
-  // AMD Zen 4, docs/performance.md).
-  // (buf.wcat: an fp32-product call longer than one row tile, without prepared weights, or with them
-  // where the probe already held.) A prepared blob's [2C, H] is transposed too: fp16 io, C4A, H = 4096
+  // AMD Zen 4, docs/performance.md). A prepared blob's [2C, H] is transposed too: fp16 io, C4A, H = 4096
   // on AMD Zen 4 (2 threads), T = 4096: 380-395 ms with the blob as it is, 326-348 ms transposed (as
   // without a blob); T = 768: 71.2-77.7 -> 64.6-75.4 ms; T = 300 (two row tiles): the same.
-  const bool w_plain =
-      buf.wcat && !half_in_place && gemm_b_plain_same_bits(2 * C, H, buf.ld_h, buf.ld_h, buf.ld_c2);
+  const bool w_plain = buf.w_plain;
   // The AVX-512 panels kvcomp's bf16 kernel reads: the prepared ones, else written now for a long call.
   const std::uint16_t* panels[] = {prepared.kv_panels, prepared.gate_panels};
   if (buf.bf16) {
@@ -221,10 +220,10 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
       b_kv = buf.packed_kv;
       b_gate = buf.packed_gate;
     }
-  } else if (prepared.kv && !w_plain) {  // wkv rows then wgate rows: one fp32 matrix, [2C, ld_h]
-    wcat = static_cast<const float*>(prepared.kv);
-  } else if (prepared.kv) {  // that matrix transposed (the blob's, even where wkv and wgate differ from it)
+  } else if (w_plain && prepared.kv) {  // the blob's fp32 rows transposed (even where wkv, wgate differ)
     rows_to_f32_transposed(prepared.kv, DType::f32, 2 * C, H, buf.ld_h, buf.wcat, buf.ld_c2, num_threads);
+  } else if (prepared.kv) {  // wkv rows then wgate rows: one fp32 matrix, [2C, ld_h]
+    wcat = static_cast<const float*>(prepared.kv);
   } else if (w_plain) {  // [wkv ; wgate]^T: [H, 2C]
     rows_to_f32_transposed(args.wkv.data, d.io, C, H, H, buf.wcat, buf.ld_c2, num_threads);
     rows_to_f32_transposed(args.wgate.data, d.io, C, H, H, buf.wcat + C, buf.ld_c2, num_threads);

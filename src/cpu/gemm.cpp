@@ -64,6 +64,13 @@ bool onednn_on_avx2() {
 // oneDNN's sgemm is one whose order gemm_rows.hpp reproduces (its AVX2 or AVX-512 kernels).
 bool onednn_sgemm_known() { return onednn_on_avx2() || onednn_has_avx512(); }
 
+// The kernel checks' buffers: std::malloc, never operator new (the fp32 products allocate nothing with it,
+// docs/robustness.md); null when it fails.
+using ProbeFloats = std::unique_ptr<float, decltype(&std::free)>;
+ProbeFloats probe_floats(std::size_t count) {
+  return ProbeFloats(static_cast<float*>(std::malloc(count * sizeof(float))), &std::free);
+}
+
 // Operands of the kernel checks: values of many magnitudes (2^-15 to 2^23) and both signs, so that the
 // order of additions shows in the bits.
 void fill_probe(float* v, std::size_t count, std::uint32_t state) {
@@ -84,8 +91,7 @@ std::optional<SgemmOrder> probe_avx512_order(std::int64_t nt, std::int64_t K, st
                                              std::int64_t ldb) {
   constexpr std::int64_t rows = 24;
   const std::size_t floats = static_cast<std::size_t>(rows * lda + nt * ldb + (rows + kRowsKernelMax) * nt);
-  const std::unique_ptr<float, decltype(&std::free)> mem(
-      static_cast<float*>(std::malloc(floats * sizeof(float))), &std::free);
+  const ProbeFloats mem = probe_floats(floats);
   if (!mem) return std::nullopt;
   float* const a = mem.get();
   float* const b = a + rows * lda;
@@ -168,8 +174,7 @@ bool probe_b_plain(std::int64_t N, std::int64_t K, std::int64_t lda, std::int64_
   const std::int64_t full = std::min(kTileN, N), last = N - (N - 1) / kTileN * kTileN;
   const std::size_t floats =
       static_cast<std::size_t>(rows * lda + full * ldb_t + K * ldb_plain + 2 * rows * full);
-  const std::unique_ptr<float, decltype(&std::free)> mem(
-      static_cast<float*>(std::malloc(floats * sizeof(float))), &std::free);
+  const ProbeFloats mem = probe_floats(floats);
   if (!mem) return false;
   float* const a = mem.get();
   float* const bt = a + rows * lda;
@@ -226,8 +231,7 @@ bool rows_kernel_matches_sgemm(bool fp16) {
   constexpr std::int64_t rows = 24, n = 32, k_max = 4096, ld = k_max + 5;
   const std::size_t floats = static_cast<std::size_t>((rows + n) * ld + (rows + kRowsKernelMax) * n +
                                                       (n * ld + 1) / 2 + n * k_max / 2);
-  const std::unique_ptr<float, decltype(&std::free)> mem(
-      static_cast<float*>(std::malloc(floats * sizeof(float))), &std::free);
+  const ProbeFloats mem = probe_floats(floats);
   if (!mem) return false;
   float* const a = mem.get();
   float* const b = a + rows * ld;
