@@ -68,22 +68,28 @@ void evict_caches() {
   if (sum == 42) std::fputc(' ', stderr);
 }
 
+// Untimed runs of a warm decode call before each timed one (and before its phase clock), so that it
+// finds its data cached as a loop of its own calls would: the functions timed before it read 16-48 MiB
+// of other weights. One run was not enough on Zen 4 (2 cores, 32 MiB L3): after it a C4A B = 1 call
+// took 0.21-0.25 ms and its product alone 0.28-0.33 ms, against 0.12-0.16 and 0.10-0.15 ms after three
+// or five runs (docs/performance.md, 2026-12-06).
+constexpr int kRewarmRuns = 3;
+
 // Best wall time of each of `fs` over `repeat` rounds. Every round runs each one once, in turn, so that a
 // noisy stretch of a shared machine slows them alike and the ratios between them stay fair (timing all
 // runs of one before the next let a burst of noise land on one side of a ratio only). Before each timed
-// run: the caches evicted when `cold`; else, when `rewarm`, one untimed run of the same function, so that
-// it finds its data cached as a loop of its own calls would (the previous one read other data). An empty
-// function times as 0.
+// run: the caches evicted when `cold`; else `rewarm_runs` untimed runs of the same function (the previous
+// one read other data). An empty function times as 0.
 using Timed = std::function<void()>;
-std::vector<double> best_in_rounds(int repeat, const std::vector<Timed>& fs, bool cold, bool rewarm) {
+std::vector<double> best_in_rounds(int repeat, const std::vector<Timed>& fs, bool cold, int rewarm_runs) {
   std::vector<double> best(fs.size(), 1e300);
   for (int round = 0; round < repeat; ++round)
     for (std::size_t i = 0; i < fs.size(); ++i) {
       if (!fs[i]) continue;
       if (cold)
         evict_caches();
-      else if (rewarm)
-        fs[i]();
+      else
+        for (int w = 0; w < rewarm_runs; ++w) fs[i]();
       const auto t0 = Clock::now();
       fs[i]();
       best[i] = std::min(best[i], seconds_since(t0));
@@ -132,9 +138,11 @@ struct PhaseProfile {
   }
 };
 
+// `warm_runs` untimed runs of f before the clock starts (a warm decode call: kRewarmRuns).
 PhaseProfile profile_phases(std::string label, const Timed& f, bool forward, int calls,
-                            const Timed& before = {}) {
+                            const Timed& before = {}, int warm_runs = 0) {
   PhaseProfile p{std::move(label), forward, calls, 0, {}};
+  for (int i = 0; i < warm_runs; ++i) f();
   struct ClockOn {  // off again however the calls end
     ClockOn() {
       reset_phase_times();
@@ -228,7 +236,7 @@ Result run_case(const Case& c, const BenchOptions& o) {
   const auto bwd16 = products_or_none(true, c, Products::Which::backward);
   const std::vector<double> t = best_in_rounds(
       o.repeat, {fwd, run_of(fwd32), run_of(fwd16), bwd, run_of(bwd32), run_of(bwd16), bwd_parity}, false,
-      false);
+      0);
   res.fwd_s = t[0];
   res.fwd_products_s = t[1];
   res.fwd_products_bf16_s = t[2];
@@ -257,27 +265,30 @@ DecodeResult run_decode(DecodeCase c, const BenchOptions& o) {
   Options opt;
   opt.num_threads = o.threads;
   const std::int64_t base = 1024 / c.p.r * c.p.r + c.p.r;  // a block start
-  // One call's workload; a server prepares its weights once (prepare_weights), raw: every call converts
-  // or packs them.
+  // One call's workload; a server prepares a layer's weights once (prepare_weights), and its open and
+  // closing calls read that one blob (every workload has the same weights: fixed seeds); raw: every call
+  // converts or packs them.
   struct Call {
     std::unique_ptr<DecodeWorkload> w;
     ForwardArgs args;
-    std::vector<unsigned char> blob;
   };
+  std::vector<unsigned char> blob;
   std::vector<std::unique_ptr<Call>> calls;
   auto call = [&](std::int64_t start_pos, bool prepared) -> Timed {
     c.start_pos = start_pos;
     auto k = std::make_unique<Call>();
     k->w = std::make_unique<DecodeWorkload>(c);
     k->args = k->w->forward();
-    if (prepared) {
+    if (prepared && blob.empty()) {
       std::size_t bytes = 0;
       Status s = prepared_weights_size(k->args.wkv, k->args.wgate, &bytes);
-      k->blob.resize(bytes);
-      if (s.ok()) s = prepare_weights(k->args.wkv, k->args.wgate, k->blob.data(), bytes, opt);
+      blob.resize(bytes);
+      if (s.ok()) s = prepare_weights(k->args.wkv, k->args.wgate, blob.data(), bytes, opt);
       if (!s.ok()) throw std::runtime_error(s.message);
-      k->args.prepared_weights = k->blob.data();
-      k->args.prepared_weights_bytes = bytes;
+    }
+    if (prepared) {
+      k->args.prepared_weights = blob.data();
+      k->args.prepared_weights_bytes = blob.size();
     }
     const Timed f = [&opt, a = &k->args] {
       const Status st = compressor_forward(*a, opt);
@@ -293,13 +304,14 @@ DecodeResult run_decode(DecodeCase c, const BenchOptions& o) {
   const Timed raw = call(base + c.p.r - c.tokens, false);
   const auto p32 = products_or_none(false, c);
   const auto p16 = products_or_none(true, c);
+  const int rewarm = o.decode_cold ? 0 : kRewarmRuns;
   const std::vector<double> t =
-      best_in_rounds(o.repeat, {open, close, raw, run_of(p32), run_of(p16)}, o.decode_cold, !o.decode_cold);
+      best_in_rounds(o.repeat, {open, close, raw, run_of(p32), run_of(p16)}, o.decode_cold, rewarm);
   DecodeResult r{t[0], t[1], t[2], t[3], t[4], {}};
   if (o.phases) {
     const Timed before = o.decode_cold ? Timed{evict_caches} : Timed{};
-    if (open) r.phases.push_back(profile_phases("open", open, true, o.repeat, before));
-    r.phases.push_back(profile_phases("close", close, true, o.repeat, before));
+    if (open) r.phases.push_back(profile_phases("open", open, true, o.repeat, before, rewarm));
+    r.phases.push_back(profile_phases("close", close, true, o.repeat, before, rewarm));
   }
   return r;
 }
@@ -554,16 +566,17 @@ int run_bench(const BenchOptions& o) {
       "case.\n"
       "decode: forward of B sequences x tok tokens past position 1024, no gradient, lay(out) BSH or TH\n"
       "  (--decode-layout); open: no sequence ends a block,\n"
-      "  close: every sequence does; c/o their ratio; both with the weights prepared once "
-      "(prepare_weights);\n"
-      "  raw: the close call converting or packing the weights itself; 16p / f32p: the call's product\n"
-      "  x[B*tok, H] . W[2C, H]^T alone (16p: W pre-packed);\n"
-      "  x prod: close / the product alone of the kind the call uses. --decode-cold: caches evicted before\n"
-      "  each timed call and product (weights read from memory, as in a server of many layers).\n");
+      "  close: every sequence does; c/o their ratio; both reading one blob of the weights prepared once\n"
+      "  (prepare_weights); raw: the close call converting or packing the weights itself; 16p / f32p: the\n"
+      "  call's product x[B*tok, H] . W[2C, H]^T alone (16p: W pre-packed);\n"
+      "  x prod: close / the product alone of the kind the call uses. Each timed call and product after\n"
+      "  three untimed runs of it (warm, as in a loop of its own calls); --decode-cold: caches evicted\n"
+      "  instead (weights read from memory, as in a server of many layers).\n");
   if (o.phases)
     std::printf(
         "phases (--phases): each call run --repeat times more with the phase clock on, after its timed "
-        "rounds;\n"
+        "rounds\n"
+        "  (a warm decode call after three untimed runs);\n"
         "  call ms: their mean wall time; each phase's mean as %% of it (docs/performance.md names the "
         "phases);\n"
         "  outside: the rest (validation, planning, the workspace).\n");
