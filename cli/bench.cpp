@@ -426,6 +426,7 @@ int run_bench(const BenchOptions& o) {
                         {"products", products_text(io)},
                         {"repeat", o.repeat},
                         {"decode_cold", o.decode_cold},
+                        {"decode_rewarm_runs", o.decode_cold ? 0 : kRewarmRuns},
                         {"training", nlohmann::json::array()},
                         {"decode", nlohmann::json::array()}};
   std::printf("kvcomp %s bench: %d threads, H=%lld, %s io, %s mode, %s kernels, products %s, best of %d%s\n",

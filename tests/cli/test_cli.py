@@ -870,6 +870,8 @@ def test_bench_json_and_both_modes(tmp_path):
     doc = json.loads(out.read_text())
     assert (doc["threads"], doc["hidden"], doc["io"], doc["mode"], doc["both_modes"]) == (3, 64, "bf16",
                                                                                          "precise", True)
+    # Warm decode calls: three untimed runs before each timed one (none when the caches are evicted).
+    assert (doc["decode_cold"], doc["decode_rewarm_runs"]) == (False, 3)
     assert r.stdout.startswith("kvcomp ") and " bench: 3 threads," in r.stdout.splitlines()[0], r.stdout
     rows = [line.split("|") for line in r.stdout.splitlines() if line.startswith("C4Li")]
     assert len(rows) == 4 and len(doc["training"]) == 2 and len(doc["decode"]) == 2, r.stdout
