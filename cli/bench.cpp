@@ -74,6 +74,8 @@ void evict_caches() {
 // took 0.21-0.25 ms and its product alone 0.28-0.33 ms, against 0.12-0.16 and 0.10-0.15 ms after three
 // or five runs (docs/performance.md, 2026-12-06).
 constexpr int kRewarmRuns = 3;
+// The untimed runs before each timed decode call of this bench: none where --decode-cold evicts the caches.
+int decode_rewarm_runs(const BenchOptions& o) { return o.decode_cold ? 0 : kRewarmRuns; }
 
 // Best wall time of each of `fs` over `repeat` rounds. Every round runs each one once, in turn, so that a
 // noisy stretch of a shared machine slows them alike and the ratios between them stay fair (timing all
@@ -304,7 +306,7 @@ DecodeResult run_decode(DecodeCase c, const BenchOptions& o) {
   const Timed raw = call(base + c.p.r - c.tokens, false);
   const auto p32 = products_or_none(false, c);
   const auto p16 = products_or_none(true, c);
-  const int rewarm = o.decode_cold ? 0 : kRewarmRuns;
+  const int rewarm = decode_rewarm_runs(o);
   const std::vector<double> t =
       best_in_rounds(o.repeat, {open, close, raw, run_of(p32), run_of(p16)}, o.decode_cold, rewarm);
   DecodeResult r{t[0], t[1], t[2], t[3], t[4], {}};
@@ -426,7 +428,7 @@ int run_bench(const BenchOptions& o) {
                         {"products", products_text(io)},
                         {"repeat", o.repeat},
                         {"decode_cold", o.decode_cold},
-                        {"decode_rewarm_runs", o.decode_cold ? 0 : kRewarmRuns},
+                        {"decode_rewarm_runs", decode_rewarm_runs(o)},
                         {"training", nlohmann::json::array()},
                         {"decode", nlohmann::json::array()}};
   std::printf("kvcomp %s bench: %d threads, H=%lld, %s io, %s mode, %s kernels, products %s, best of %d%s\n",
@@ -571,16 +573,18 @@ int run_bench(const BenchOptions& o) {
       "  (prepare_weights); raw: the close call converting or packing the weights itself; 16p / f32p: the\n"
       "  call's product x[B*tok, H] . W[2C, H]^T alone (16p: W pre-packed);\n"
       "  x prod: close / the product alone of the kind the call uses. Each timed call and product after\n"
-      "  three untimed runs of it (warm, as in a loop of its own calls); --decode-cold: caches evicted\n"
-      "  instead (weights read from memory, as in a server of many layers).\n");
+      "  %d untimed runs of it (warm, as in a loop of its own calls); --decode-cold: caches evicted\n"
+      "  instead (weights read from memory, as in a server of many layers).\n",
+      kRewarmRuns);
   if (o.phases)
     std::printf(
         "phases (--phases): each call run --repeat times more with the phase clock on, after its timed "
         "rounds\n"
-        "  (a warm decode call after three untimed runs);\n"
+        "  (a warm decode call after %d untimed runs);\n"
         "  call ms: their mean wall time; each phase's mean as %% of it (docs/performance.md names the "
         "phases);\n"
-        "  outside: the rest (validation, planning, the workspace).\n");
+        "  outside: the rest (validation, planning, the workspace).\n",
+        kRewarmRuns);
   if (o.both_modes)
     std::printf(
         "par ms, x 16p: the npu_parity backward (--both-modes) and its ratio to the bf16 products alone; "
