@@ -661,8 +661,10 @@ void gemm_bf16_rows_kernel(const Bf16Shape& s, std::int64_t M, const std::uint16
                            std::span<const Bf16Target> targets, int num_threads,
                            const std::uint16_t* const* panels) {
   const std::int64_t group = 32 * bf16_panel_pairs(s.K);  // bf16 values of one 16-column group
-  const std::int64_t per = (s.N + kBf16TileCols - 1) / kBf16TileCols;
-  const std::int64_t col_tiles = per * static_cast<std::int64_t>(targets.size());
+  const auto n_targets = static_cast<std::int64_t>(targets.size());
+  const std::int64_t width = dealt_tile_cols(s.N, n_targets, kBf16TileCols, num_threads);
+  const std::int64_t per = (s.N + width - 1) / width;
+  const std::int64_t col_tiles = per * n_targets;
   // More than 8 rows (panels only): the rows too in tiles of at least 64, where the column tiles are
   // fewer than two per thread.
   const std::int64_t row_tiles = M <= kRowsKernelMax ? 1
@@ -677,7 +679,7 @@ void gemm_bf16_rows_kernel(const Bf16Shape& s, std::int64_t M, const std::uint16
     const std::int64_t j = i % col_tiles, r0 = i / col_tiles * rows, m = std::min(rows, M - r0);
     if (m <= 0) continue;
     const Bf16Target& x = targets[static_cast<std::size_t>(j / per)];
-    const std::int64_t n0 = j % per * kBf16TileCols, nt = std::min(kBf16TileCols, s.N - n0);
+    const std::int64_t n0 = j % per * width, nt = std::min(width, s.N - n0);
     const std::uint16_t* ar = a + r0 * s.lda;
     float* cr = static_cast<float*>(x.c) + r0 * s.ldc + n0;
     if (panels)

@@ -204,8 +204,9 @@ bool bf16_rows_kernel_applicable(const Bf16Shape& s, std::int64_t M, bool panels
 // packs B (AMX), since the kernel has the bits of the in-place jit gemm only.
 bool bf16_rows_kernel_available();
 
-// The M-row product on that kernel, B's columns cut into tiles of kBf16TileCols (and more than 8 rows
-// into tiles of at least 64 where the column tiles are too few for the threads) dealt to the threads
+// The M-row product on that kernel, B's columns cut into tiles of kBf16TileCols, or narrower where the
+// threads outnumber them (dealt_tile_cols, gemm_rows.hpp), and more than 8 rows into tiles of at least
+// 64 where the column tiles are still too few for the threads, dealt to the threads
 // (an element's order does not depend on its tile): the bits gemm_bf16 gives these rows.
 // `panels` (optional): the AVX-512 decode panels of each target's B (write_panels_avx512_bf16, from
 // column 0), read instead of B: the same bits without the kernel's register transposes.

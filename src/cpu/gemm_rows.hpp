@@ -66,6 +66,19 @@ inline constexpr SgemmOrder kSgemmAvx2{256, true}, kSgemmAvx512Halves{384, true}
 // The rows a call of the kernel may have.
 inline constexpr std::int64_t kRowsKernelMax = 8;
 
+// The width of the column tiles that the row kernels' callers deal to the threads, for `matrices`
+// matrices of `cols` columns each (cols a multiple of 16): `width`, halved down to no less than
+// kMinDealtCols while the tiles would be fewer than the threads, so that a decode call of a small
+// layer keeps a many-core machine's threads reading its weights (C4Li's two matrices of 256 columns:
+// 2 tiles of 256 on 2 threads, 8 tiles of 64 on 16). Any cut into whole 16-column groups gives the
+// same bits: an element's order does not depend on its tile.
+inline constexpr std::int64_t kMinDealtCols = 64;
+inline std::int64_t dealt_tile_cols(std::int64_t cols, std::int64_t matrices, std::int64_t width,
+                                    int num_threads) {
+  while (width > kMinDealtCols && matrices * ((cols + width - 1) / width) < num_threads) width /= 2;
+  return width < kMinDealtCols ? kMinDealtCols : width;
+}
+
 // C[m, n] = A[m, k] . B[n, k]^T (A row-major with lda, B stored [n, k] with ldb, C row-major with ldc),
 // 1 <= m <= kRowsKernelMax, n a multiple of 16, k >= 1, K blocks sgemm_k_blocks(k, order). AVX2 + FMA
 // only (gemm_rows_avx2.cpp).

@@ -196,7 +196,8 @@ void panel_groups(std::int64_t m, std::int64_t g0, const Bf16KBlocks& blocks, st
   }
 }
 
-// m rows against the panels of n columns: tiles of MR rows x G groups (the last groups one at a time).
+// m rows against the panels of n columns: tiles of MR rows x G groups (the groups left over two, then one
+// at a time).
 template <int MR, int G>
 void panel_tiles(std::int64_t m, std::int64_t n, std::int64_t k, const std::uint16_t* a, std::int64_t lda,
                  const std::uint16_t* panels, float* c, std::int64_t ldc) {
@@ -205,14 +206,19 @@ void panel_tiles(std::int64_t m, std::int64_t n, std::int64_t k, const std::uint
   const auto* t = reinterpret_cast<const __m512i*>(panels);
   std::int64_t g0 = 0;
   for (; g0 + G <= groups; g0 += G) panel_groups<MR, G>(m, g0, blocks, group, a, lda, t, c, ldc);
+  if constexpr (G > 2)
+    for (; g0 + 2 <= groups; g0 += 2) panel_groups<MR, 2>(m, g0, blocks, group, a, lda, t, c, ldc);
   for (; g0 < groups; ++g0) panel_groups<MR, 1>(m, g0, blocks, group, a, lda, t, c, ldc);
 }
 
-// 1-8 rows: one tile of all of them, the more groups side by side the fewer rows.
+// 1-8 rows: one tile of all of them, four groups side by side for one or two rows, two for more. One
+// row with eight groups (eight streams of panels 64 x bf16_panel_pairs(k) bytes apart, a power of two
+// at the common hidden sizes) measured 7-10 % slower on Zen 4: C4A B = 1 0.119-0.130 -> 0.108-0.115 ms
+// on 2 threads (docs/performance.md, 2026-12-06).
 template <int M>
 void panel_rows(std::int64_t n, std::int64_t k, const std::uint16_t* a, std::int64_t lda,
                 const std::uint16_t* panels, float* c, std::int64_t ldc) {
-  panel_tiles<M, M == 1 ? 8 : M == 2 ? 4 : 2>(M, n, k, a, lda, panels, c, ldc);
+  panel_tiles<M, M <= 2 ? 4 : 2>(M, n, k, a, lda, panels, c, ldc);
 }
 
 // More rows: tiles of 6 rows x 4 groups (24 accumulators).

@@ -258,6 +258,45 @@ TEST(PreparedDecode, RawSixteenBitWeightsGiveThePreparedBits) {
 }
 
 
+// On more threads than column tiles of 256 (a small layer on a many-core machine), the decode products
+// cut the weights into narrower tiles (gemm_rows.hpp: dealt_tile_cols), down to 64 columns: C = 256
+// gives 2 tiles of 256 on one thread and 8 of 64 on twelve. The oracle's results, bitwise those of the
+// one-thread call, with and without prepared weights, on the bf16 rows kernel (AVX512-BF16) and the
+// AVX2 one on 16-bit weights (fp16 io, or bf16 io without bf16 units).
+TEST(PreparedDecode, ManyThreadsCutTheWeightsFinerWithTheSameBits) {
+  constexpr int kManyThreads = 12;
+  for (const DType io : {DType::bf16, DType::f16})
+    for (const std::int64_t B : {1, 8})
+      for (const bool with_blob : {false, true}) {
+        SweepCase c = decode_case(B, 1003, 128, 2, std::vector<std::int32_t>(static_cast<std::size_t>(B), 3));
+        c.io = io;
+        const auto run = [with_blob](ForwardRun& r, const Options& o) {
+          std::vector<unsigned char> blob;
+          if (with_blob) prepare(r, blob);
+          return r.run(o);
+        };
+        check_forward(c, [&](ForwardRun& r, const Options& o) {
+          Options many = o;
+          many.num_threads = kManyThreads;
+          return run(r, many);
+        });
+        auto rc = make_random_case(c.options(), c.forward_seed);
+        round_io_inputs(rc.in, c.io);
+        ForwardRun one(rc.problem, rc.in, c.io), many(rc.problem, rc.in, c.io);
+        Options o;
+        o.num_threads = 1;
+        ASSERT_TRUE(run(one, o).ok());
+        o.num_threads = kManyThreads;
+        const Status s = run(many, o);
+        ASSERT_TRUE(s.ok()) << s.message;
+        const std::string what = std::string(io == DType::f16 ? "fp16" : "bf16") + ", B = " +
+                                 std::to_string(B) + (with_blob ? ", prepared" : "");
+        EXPECT_TRUE(same_bits(one.cmp_kv, many.cmp_kv)) << what;
+        EXPECT_TRUE(same_bits(one.cache, many.cache)) << what;
+      }
+}
+
+
 // A forward that names prepared weights plans no workspace for the form of the weights the blob holds
 // (fp32 rows, AMX's packed B or the AVX-512 panels of a long bf16 call; a long fp32-product call of depth
 // H >= 1200 may plan room to transpose the fp32 rows, below), runs in exactly the size planned

@@ -124,8 +124,10 @@ TEST(GemmRowsBf16, PanelsGiveTheBitsOfTheRows) {
   if (!cpu_has_avx512_bf16()) GTEST_SKIP() << "the CPU lacks AVX512-BF16";
   std::mt19937 rng(12);
   std::normal_distribution<float> normal;
+  // 1, 3, 4, 7 and 16 groups of 16 columns (and one less from the second group on): the kernel's passes of
+  // 4, 2 and 1 groups side by side.
   for (const i64 k : {1, 2, 31, 32, 33, 385, 1003, 1537, 4099})
-    for (const i64 n : {16, 48, 256}) {
+    for (const i64 n : {16, 48, 64, 112, 256}) {
       const i64 lda = k + 1, ldc = n + 8;
       std::vector<std::uint16_t> a(kRowsKernelMax * lda), b(n * k);
       for (auto& v : a) v = float_to_bf16(normal(rng));
