@@ -345,8 +345,8 @@ void gemm_rows_16bit_weights(std::int64_t n, std::int64_t half, std::int64_t K, 
                              bool fp16, float* c, std::int64_t ldc, SgemmOrder order, int num_threads) {
   const auto kernel = fp16 ? &gemm_rows_avx2_f16 : &gemm_rows_avx2_bf16;
   // The column tiles of gemm_f32, narrower where the threads outnumber them.
-  deal_weight_tiles(half, dealt_tile_cols(half, 2, kTileN, num_threads), num_threads,
-                    [&](bool gate, std::int64_t n0, std::int64_t nt) {
+  const std::int64_t width = dealt_tile_cols(half, 2, kTileN, num_threads);
+  deal_weight_tiles(half, width, num_threads, [&](bool gate, std::int64_t n0, std::int64_t nt) {
     kernel(n, nt, K, a, lda, (gate ? wgate : wkv) + n0 * K, K, c + (gate ? half : 0) + n0, ldc, order);
   });
 }
