@@ -281,14 +281,14 @@ DecodeResult run_decode(DecodeCase c, const BenchOptions& o) {
     auto k = std::make_unique<Call>();
     k->w = std::make_unique<DecodeWorkload>(c);
     k->args = k->w->forward();
-    if (prepared && blob.empty()) {
-      std::size_t bytes = 0;
-      Status s = prepared_weights_size(k->args.wkv, k->args.wgate, &bytes);
-      blob.resize(bytes);
-      if (s.ok()) s = prepare_weights(k->args.wkv, k->args.wgate, blob.data(), bytes, opt);
-      if (!s.ok()) throw std::runtime_error(s.message);
-    }
     if (prepared) {
+      if (blob.empty()) {  // the first prepared call prepares the blob
+        std::size_t bytes = 0;
+        Status s = prepared_weights_size(k->args.wkv, k->args.wgate, &bytes);
+        blob.resize(bytes);
+        if (s.ok()) s = prepare_weights(k->args.wkv, k->args.wgate, blob.data(), bytes, opt);
+        if (!s.ok()) throw std::runtime_error(s.message);
+      }
       k->args.prepared_weights = blob.data();
       k->args.prepared_weights_bytes = blob.size();
     }

@@ -75,8 +75,8 @@ inline constexpr std::int64_t kRowsKernelMax = 8;
 inline constexpr std::int64_t kMinDealtCols = 64;
 inline std::int64_t dealt_tile_cols(std::int64_t cols, std::int64_t matrices, std::int64_t width,
                                     int num_threads) {
-  while (width > kMinDealtCols && matrices * ((cols + width - 1) / width) < num_threads) width /= 2;
-  return width < kMinDealtCols ? kMinDealtCols : width;
+  while (width / 2 >= kMinDealtCols && matrices * ((cols + width - 1) / width) < num_threads) width /= 2;
+  return width;
 }
 
 // C[m, n] = A[m, k] . B[n, k]^T (A row-major with lda, B stored [n, k] with ldb, C row-major with ldc),
