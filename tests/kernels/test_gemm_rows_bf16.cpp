@@ -2,8 +2,11 @@
 // (src/cpu/gemm_rows.hpp), against oneDNN's jit gemm:
 // every row it computes must carry the bits the jit gemm gives the same row inside a long call (a
 // 256-row tile of a prefill), for every K, column count and row position, on one thread as gemm_bf16
-// calls it. Without AVX512-BF16, or where oneDNN runs another kernel for these shapes (AMX), it reports
-// itself skipped.
+// calls it. On AMX machines oneDNN is capped at its AVX512-BF16 kernels for the whole process: its jit
+// gemm then sums as on a CPU with AVX512-BF16 alone (Intel's without AMX, AMD's), where kvcomp runs the
+// kernel. Uncapped, that gemm multiplies on AMX tiles, in another order, and kvcomp never pairs the two
+// (bf16_short_rows_stable is false where B is packed). Without AVX512-BF16, or where oneDNN runs another
+// kernel for these shapes, it reports itself skipped.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -22,6 +25,9 @@ namespace kvcomp::detail {
 namespace {
 
 using i64 = std::int64_t;
+
+// Before oneDNN's first call: its AVX512-BF16 kernels, not AMX's (a no-op on CPUs without AMX).
+const bool kCapped = [] { return dnnl_set_max_cpu_isa(dnnl_cpu_isa_avx512_core_bf16) == dnnl_success; }();
 
 std::vector<std::pair<i64, i64>> blocks_of(i64 k) {
   const Bf16KBlocks b = jit_bf16_k_blocks(k);
@@ -73,6 +79,7 @@ void onednn_rows(i64 rows, i64 n, i64 k, const std::uint16_t* a, i64 lda, const 
 // rows and groups change nothing per element.
 TEST(GemmRowsBf16, EveryRowEqualsItsRowInALongCall) {
   if (!cpu_has_avx512_bf16()) GTEST_SKIP() << "the CPU lacks AVX512-BF16";
+  ASSERT_TRUE(kCapped) << "oneDNN refused its ISA cap: its jit gemm may run on AMX";
   std::mt19937 rng(11);
   std::normal_distribution<float> normal;
   constexpr i64 long_rows = 256;
