@@ -11,7 +11,7 @@
 #include "cpu/gemm.hpp"
 #include "cpu/gemm_bf16.hpp"
 #include "cpu/phase_clock.hpp"
-#include "kvcomp/half.hpp"
+#include "cpu/simd/kernels.hpp"
 
 namespace kvcomp::detail {
 
@@ -170,14 +170,10 @@ void split_to_bf16(const float* dnew, std::int64_t ld, std::int64_t rows, std::i
     for (std::int64_t i = 0; i < rows; ++i) {
       const float* v = dnew + i * ld;
       std::uint16_t* hi = dn[0] + i * ld_dn;
-      from_f32(v, hi, DType::bf16, c2);
-      if (with_lo) {
-        std::uint16_t* lo = dn[1] + i * ld_dn;
-        for (std::int64_t c = 0; c < c2; ++c) {
-          const float h = bf16_to_float(hi[c]);
-          lo[c] = std::isfinite(h) ? float_to_bf16(v[c] - h) : std::uint16_t{0};
-        }
-      }
+      if (with_lo)
+        simd_kernels().split_bf16(v, hi, dn[1] + i * ld_dn, c2);
+      else
+        from_f32(v, hi, DType::bf16, c2);
     }
   }
   for (int part = 0; part < parts; ++part) {

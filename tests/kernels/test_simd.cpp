@@ -100,6 +100,27 @@ TEST_P(Simd, NarrowingMatchesHalfHpp) {
   EXPECT_EQ(std::memcmp(same.data(), v.data(), v.size() * sizeof(float)), 0);
 }
 
+// The precise backward's hi and lo parts: hi the bf16 of v, lo the bf16 of what hi leaves (v - hi, exact
+// in fp32), zero where hi is inf or NaN; half.hpp's branchy conversions are the reference.
+TEST_P(Simd, SplitMatchesHalfHpp) {
+  const std::vector<float> v = edge_floats();
+  std::vector<std::uint16_t> hi(v.size()), lo(v.size());
+  k().split_bf16(v.data(), hi.data(), lo.data(), static_cast<i64>(v.size()));
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    ASSERT_EQ(hi[i], float_to_bf16(v[i])) << "hi of 0x" << std::hex << bits(v[i]);
+    const float h = bf16_to_float(hi[i]);
+    ASSERT_EQ(lo[i], std::isfinite(h) ? float_to_bf16(v[i] - h) : std::uint16_t{0})
+        << "lo of 0x" << std::hex << bits(v[i]);
+  }
+  // hi + lo carries v to about 2^-16 of its size where v is normal and not rounded to inf.
+  const float v1 = 1.0f + 0x1.2345p-9f;
+  std::uint16_t h1 = 0, l1 = 0;
+  k().split_bf16(&v1, &h1, &l1, 1);
+  EXPECT_EQ(h1, 0x3f80u);
+  EXPECT_NEAR(bf16_to_float(h1) + bf16_to_float(l1), v1, 0x1p-16f);
+  EXPECT_NE(l1, 0u);
+}
+
 // Slot-major data of one block: cr rows of ld floats, scores spread wide
 // enough that exp sees arguments down to about -60.
 struct Block {

@@ -116,6 +116,15 @@ void from_f32(const float* src, void* dst, DType dt, i64 n) {
   }
 }
 
+void split_bf16(const float* src, std::uint16_t* hi, std::uint16_t* lo, i64 n) {
+  for (i64 i = 0; i < n; ++i) {
+    const std::uint16_t h = f32_to_bf16(src[i]);
+    const std::uint16_t l = f32_to_bf16(src[i] - bf16_to_f32(h));
+    hi[i] = h;
+    lo[i] = (h & 0x7f80u) == 0x7f80u ? std::uint16_t{0} : l;
+  }
+}
+
 void to_f32(const void* src, DType dt, float* dst, i64 n) {
   const auto* h = static_cast<const std::uint16_t*>(src);
   switch (dt) {
@@ -213,7 +222,7 @@ void block_softmax(const float* const* sc, const float* const* kv, i64 cr, i64 w
 
 }  // namespace
 
-extern const SimdKernels kTable{Isa::KVCOMP_SIMD_NS, block_dot,      slot_grad, slot_grad_bf16,
-                                block_softmax,         to_f32, from_f32};
+extern const SimdKernels kTable{Isa::KVCOMP_SIMD_NS, block_dot, slot_grad, slot_grad_bf16, block_softmax,
+                                to_f32,                from_f32,  split_bf16};
 
 }  // namespace kvcomp::detail::KVCOMP_SIMD_NS
