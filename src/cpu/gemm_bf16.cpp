@@ -217,6 +217,24 @@ bool bf16_rows_kernel_available() {
   return yes;
 }
 
+namespace {
+
+// The kernel oneDNN gives a tile whose C rows lie farther apart than its columns (the two projections
+// side by side, ldc = 2N: most of kvcomp's product tiles), where that is not kernel_name(): oneDNN 2.6's
+// AMX brgemm takes only dense A and C, so on AMX those tiles run its jit gemm (which multiplies on the
+// AMX tiles too, packing B itself on each execution). Empty where the same kernel runs both.
+std::string strided_tile_kernel() {
+  try {
+    const std::string impl =
+        tile_primitive(Bf16Shape{256, 256, 256, 512, 256, true}, false)->pd.impl_info_str();
+    return impl == kernel_name() ? std::string{} : impl;
+  } catch (const std::exception&) {  // dnnl::error, std::bad_alloc: nothing to add
+    return {};
+  }
+}
+
+}  // namespace
+
 const char* product_kernels() {
   static const std::string s = [] {
     // The f32 products' note: decode-sized projections on kvcomp's AVX2 kernel (gemm_rows.hpp).
@@ -231,7 +249,9 @@ const char* product_kernels() {
                             : bf16_decode_panels_wanted()
                                 ? ", 1-8 rows, calls of 128+ rows and prepared weights: kvcomp avx512_bf16"
                                 : ", 1-8 rows and prepared weights: kvcomp avx512_bf16";
-    return "bf16 (" + kernel_name() + (packed_forced() ? ", packed B" : "") + backward + bf16_rows +
+    const std::string strided = strided_tile_kernel();
+    return "bf16 (" + kernel_name() + (packed_forced() ? ", packed B" : "") +
+           (strided.empty() ? "" : ", row-strided tiles " + strided) + backward + bf16_rows +
            ") + f32 (dnnl_sgemm)" + rows;
   }();
   return s.c_str();

@@ -74,7 +74,8 @@ bool bf16_split_products();
 bool bf16_backward_products();
 
 // What runs: "f32 (dnnl_sgemm)", or "bf16 (<oneDNN implementation>[, packed
-// B], precise as hi+lo | precise in f32 | backward in f32[, 1-8 rows and
+// B][, row-strided tiles <oneDNN implementation>], precise as hi+lo | precise in f32 |
+// backward in f32[, 1-8 rows and
 // prepared weights: kvcomp avx512_bf16]) + f32 (dnnl_sgemm)", either with
 // "; 1-8 rows: kvcomp avx2[, order probed per shape]" where the fp32 products'
 // decode rows run on kvcomp's AVX2 kernel (gemm_rows.hpp). "packed B":
