@@ -65,8 +65,10 @@ dnnl::memory::desc plain_b(const Bf16Shape& s, std::int64_t cols) {
 }
 
 // KVCOMP_BF16_PACKED=1: B packed into a blocked layout even where oneDNN's kernel would read a plain
-// one (AVX512-BF16), so that a machine without AMX runs the code AMX takes (packing, packed prepared
-// weights, 64-row tiles); ctest's *_packed runs. Read once per process.
+// one (AVX512-BF16), so that any machine with bf16 units runs the packed code (packing, packed prepared
+// weights, 64-row tiles), which AMX takes for dense tiles only (oneDNN 2.6's AMX brgemm refuses
+// row-strided ones, which then read B in place, as elsewhere); ctest's *_packed runs. Read once per
+// process.
 bool packed_forced() {
   static const bool on = [] {
     const char* v = std::getenv("KVCOMP_BF16_PACKED");

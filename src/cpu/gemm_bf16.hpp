@@ -81,8 +81,9 @@ bool bf16_backward_products();
 // decode rows run on kvcomp's AVX2 kernel (gemm_rows.hpp). "packed B":
 // KVCOMP_BF16_PACKED=1 in the environment packs B into oneDNN's blocked
 // layout even where its kernel would read it in place (AVX512-BF16), so that
-// such a machine tests the code AMX runs (packing, packed prepared weights,
-// 64-row tiles); results stay row-stable and
+// such a machine tests the packed code (packing, packed prepared weights,
+// 64-row tiles: on AMX the dense tiles' path, oneDNN 2.6's AMX brgemm refusing
+// row-strided ones); results stay row-stable and
 // deterministic, but it is for tests only: decode calls pad to 64 rows, and
 // oneDNN 2.6's brg:avx512_core_bf16 refuses row-strided tiles of a packed B,
 // so most tiles run on its reference kernel there (seconds per call).
