@@ -149,6 +149,16 @@ TilePrimitive* tile_primitive(const Bf16Shape& s, bool accumulate, std::int64_t 
   return slot.get();
 }
 
+// oneDNN's implementation name for the plain tile primitive of shape s, or empty where it makes none
+// (dnnl::error, std::bad_alloc).
+std::string tile_kernel_of(const Bf16Shape& s) {
+  try {
+    return tile_primitive(s, false)->pd.impl_info_str();
+  } catch (const std::exception&) {
+    return {};
+  }
+}
+
 bool is_matrix_unit_kernel(const std::string& impl) {
   return impl.find("bf16") != std::string::npos &&
          (impl.find("amx") != std::string::npos || impl.find("avx512_core_bf16") != std::string::npos);
@@ -174,13 +184,8 @@ Choice choice() {
 std::string choose_kernel() {
   if (choice() == Choice::f32) return {};
   if (active_isa() != Isa::avx512) return {};
-  try {
-    const std::string impl =
-        tile_primitive(Bf16Shape{256, 256, 256, 256, 256, false}, false)->pd.impl_info_str();
-    return is_matrix_unit_kernel(impl) ? impl : std::string{};
-  } catch (const std::exception&) {  // dnnl::error, std::bad_alloc: fp32 products
-    return {};
-  }
+  const std::string impl = tile_kernel_of(Bf16Shape{256, 256, 256, 256, 256, false});
+  return is_matrix_unit_kernel(impl) ? impl : std::string{};  // else (none too): fp32 products
 }
 
 const std::string& kernel_name() {
@@ -226,13 +231,8 @@ namespace {
 // AMX brgemm takes only dense A and C, so on AMX those tiles run its jit gemm (which multiplies on the
 // AMX tiles too, packing B itself on each execution). Empty where the same kernel runs both.
 std::string strided_tile_kernel() {
-  try {
-    const std::string impl =
-        tile_primitive(Bf16Shape{256, 256, 256, 512, 256, true}, false)->pd.impl_info_str();
-    return impl == kernel_name() ? std::string{} : impl;
-  } catch (const std::exception&) {  // dnnl::error, std::bad_alloc: nothing to add
-    return {};
-  }
+  const std::string impl = tile_kernel_of(Bf16Shape{256, 256, 256, 512, 256, true});
+  return impl == kernel_name() ? std::string{} : impl;
 }
 
 }  // namespace
