@@ -13,6 +13,7 @@ import torch.distributed as dist
 import kvcomp.distributed as kd
 import kvcomp.nn
 from cp_common import local_part, make_cp_case
+from spawn import end_worker
 from support import on_device
 
 
@@ -83,7 +84,7 @@ def main():
             res = {"error": f"{type(e).__name__}: {e}"}
         results[name] = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in res.items()}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    end_worker()
 
 
 if __name__ == "__main__":
