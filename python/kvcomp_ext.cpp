@@ -323,9 +323,9 @@ NB_MODULE(_C, m) {
         "Instruction set of the element-wise kernels: 'avx512', 'avx2' or 'scalar' (capped by KVCOMP_ISA).");
   m.def(
       "product_kernels", &kvcomp::product_kernels,
-      "Matrix-product kernels of the CPU backend, e.g. 'bf16 (brg:avx512_core_amx_bf16, precise as hi+lo) + "
-      "f32 (dnnl_sgemm)' where the CPU has bf16 units (KVCOMP_PRODUCTS=f32 keeps fp32; 'backward in f32' "
-      "where "
+      "Matrix-product kernels of the CPU backend, e.g. 'bf16 (kvcomp amx_bf16, precise as hi+lo) + "
+      "f32 (dnnl_sgemm)' where the CPU has bf16 units (on AMX kvcomp's own kernel, KVCOMP_AMX_KERNEL=0 "
+      "keeps oneDNN's; KVCOMP_PRODUCTS=f32 keeps fp32; 'backward in f32' where "
       "they are slower than fp32 FMAs: Intel's AVX512-BF16 without AMX), 'f32 (dnnl_sgemm)' elsewhere "
       "('f32 (dnnl_sgemm); 1-8 rows: kvcomp avx2' where decode-sized projections run on kvcomp's AVX2 kernel).");
   m.def("has_cuda_backend", &kvcomp::has_cuda_backend,

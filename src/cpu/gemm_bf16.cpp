@@ -21,6 +21,7 @@
 
 #include "common/numerics.hpp"
 #include "cpu/gemm.hpp"
+#include "cpu/gemm_amx.hpp"
 #include "cpu/gemm_rows.hpp"
 #include "cpu/isa.hpp"
 
@@ -193,6 +194,52 @@ const std::string& kernel_name() {
   return name;
 }
 
+// Whether the bf16 products run on kvcomp's own AMX kernel (gemm_amx.hpp) instead of oneDNN's: where
+// oneDNN's kernel is its AMX one (so DNNL_MAX_CPU_ISA below AMX, KVCOMP_ISA and KVCOMP_PRODUCTS=f32
+// keep it off too) and the process may use the tiles; not in the packed emulation
+// (KVCOMP_BF16_PACKED=1, which tests oneDNN's packed path) nor with KVCOMP_AMX_KERNEL=0. Read once per
+// process.
+bool amx_own() {
+  static const bool yes = [] {
+    const char* v = std::getenv("KVCOMP_AMX_KERNEL");
+    return kernel_name().find("amx") != std::string::npos && !packed_forced() && !(v && std::strcmp(v, "0") == 0) &&
+           amx_tiles_usable();
+  }();
+  return yes;
+}
+
+// Column groups of the AMX kernel (16 columns each).
+std::int64_t amx_groups(std::int64_t N) { return (N + 15) / 16; }
+
+// C (+)= A . B for each target on kvcomp's AMX kernel: the rows in blocks (multiples of 32, about one
+// per thread where there are rows enough), else the columns in blocks of whole group pairs, so that
+// every thread has a share; a block is one single-threaded amx_gemm_block. Which block or thread
+// computes an element does not change its sum (gemm_amx.hpp).
+void amx_products(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a, std::span<const Bf16Target> targets,
+                  bool accumulate, int num_threads) {
+  const AmxStore store = s.c_bf16 ? AmxStore::bf16 : accumulate ? AmxStore::add : AmxStore::set;
+  const auto n_targets = static_cast<std::int64_t>(targets.size());
+  const std::int64_t threads = std::max(num_threads, 1), groups = amx_groups(s.N);
+  const std::int64_t row_units = (M + 31) / 32;  // blocks of 32 rows
+  const std::int64_t row_blocks = std::clamp((threads + n_targets - 1) / n_targets, std::int64_t{1}, row_units);
+  const std::int64_t rows = (row_units + row_blocks - 1) / row_blocks * 32;
+  const std::int64_t pairs = (groups + 1) / 2;
+  const std::int64_t col_blocks =
+      std::clamp((threads + n_targets * row_blocks - 1) / (n_targets * row_blocks), std::int64_t{1}, pairs);
+  const std::int64_t cols = (pairs + col_blocks - 1) / col_blocks * 2;  // groups per column block
+  const std::int64_t per_target = row_blocks * col_blocks, units = n_targets * per_target;
+  const std::int64_t c_size = s.c_bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(static_cast<int>(std::min(threads, units))) schedule(static)
+  for (std::int64_t u = 0; u < units; ++u) {
+    const Bf16Target& x = targets[static_cast<std::size_t>(u / per_target)];
+    const std::int64_t r0 = u % per_target / col_blocks * rows, g0 = u % col_blocks * cols;
+    const std::int64_t m = std::min(rows, M - r0);
+    if (m <= 0 || g0 >= groups) continue;
+    amx_gemm_block(m, s.N, s.K, a + r0 * s.lda, s.lda, x.b, static_cast<unsigned char*>(x.c) + r0 * s.ldc * c_size,
+                   s.ldc, store, g0, std::min(groups, g0 + cols));
+  }
+}
+
 }  // namespace
 
 const char* bf16_product_kernel() { return kernel_name().empty() ? nullptr : kernel_name().c_str(); }
@@ -251,6 +298,7 @@ const char* product_kernels() {
                             : bf16_decode_panels_wanted()
                                 ? ", 1-8 rows, calls of 128+ rows and prepared weights: kvcomp avx512_bf16"
                                 : ", 1-8 rows and prepared weights: kvcomp avx512_bf16";
+    if (amx_own()) return std::string("bf16 (kvcomp amx_bf16") + backward + ") + f32 (dnnl_sgemm)" + rows;
     const std::string strided = strided_tile_kernel();
     return "bf16 (" + kernel_name() + (packed_forced() ? ", packed B" : "") +
            (strided.empty() ? "" : ", row-strided tiles " + strided) + backward + bf16_rows +
@@ -261,6 +309,7 @@ const char* product_kernels() {
 
 Bf16Plan bf16_plan(const Bf16Shape& s) {
   if (!bf16_product_kernel()) return {};
+  if (amx_own()) return {true, amx_packed_bytes(s.N, s.K)};
   try {
     const TilePrimitive* t = tile_primitive(s, false);
     return {true, t->in_place ? 0 : t->pd.weights_desc().get_size()};
@@ -297,6 +346,18 @@ PackSlicing pack_slicing(const Bf16Shape& s, const dnnl::memory::desc& packed, i
 
 bool bf16_pack_b(const Bf16Shape& s, const Bf16PackJob* jobs, int count, int num_threads) {
   if (count <= 0) return true;
+  if (amx_own()) {  // a copy in slices of 8 column groups, dealt to the threads
+    constexpr std::int64_t kSlice = 8;
+    const std::int64_t groups = amx_groups(s.N), per = (groups + kSlice - 1) / kSlice, units = count * per;
+#pragma omp parallel for num_threads(static_cast<int>(std::clamp<std::int64_t>(num_threads, 1, units))) \
+    schedule(static)
+    for (std::int64_t u = 0; u < units; ++u) {
+      const std::int64_t g0 = u % per * kSlice;
+      amx_pack_b(s.N, s.K, jobs[u / per].b, s.ldb, s.b_transposed, jobs[u / per].packed, g0,
+                 std::min(groups, g0 + kSlice));
+    }
+    return true;
+  }
   const TilePrimitive* t = nullptr;
   try {
     t = tile_primitive(s, false);
@@ -394,6 +455,10 @@ bool gemm_bf16(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
   if (M <= 0 || s.N <= 0 || targets.empty()) return true;
   // C += A . B in bf16 would round twice; a bf16 C only where it holds the fp32 sums' rounding.
   if (s.c_bf16 && (accumulate || !bf16_c_rounds_like_f32(s))) return false;
+  if (amx_own()) {  // any M: every row's sums are the same on the AMX kernel
+    amx_products(s, M, a, targets, accumulate, num_threads);
+    return true;
+  }
   if (M % kBf16TileRows != 0 &&
       (accumulate || M > kBf16TileRows || bf16_packed_short_rows(f32_twin(s), M) != M))
     return false;
@@ -542,6 +607,7 @@ bool probed_once(std::mutex& mu, std::map<ProbeKey, bool>& verdicts, const Probe
 
 bool bf16_c_rounds_like_f32(const Bf16Shape& s) {
   if (!s.c_bf16 || !bf16_product_kernel()) return false;
+  if (amx_own()) return true;  // the kernel rounds its fp32 sums with f32_to_bf16
   static std::mutex mu;
   static std::map<ProbeKey, bool> verdicts;
   const ProbeKey key{s.N, s.K, s.lda, s.ldc, s.ldb, s.b_transposed, kBf16TileRows};
@@ -551,6 +617,7 @@ bool bf16_c_rounds_like_f32(const Bf16Shape& s) {
 std::int64_t bf16_packed_short_rows(const Bf16Shape& s, std::int64_t n) {
   if (n < 1 || n >= kBf16TileRows || !bf16_product_kernel()) return 0;
   const std::int64_t m = (n + kBf16ShortTileRows - 1) / kBf16ShortTileRows * kBf16ShortTileRows;
+  if (amx_own()) return m;  // any height gives a row the same sums
   static std::mutex mu;
   static std::map<ProbeKey, bool> verdicts;
   const ProbeKey key{s.N, s.K, s.lda, s.ldc, s.ldb, s.b_transposed, m};
@@ -579,6 +646,7 @@ ColumnTiles column_tiles(const Bf16Shape& s, bool accumulate, std::int64_t M) {
 
 bool bf16_short_rows_stable(const Bf16Shape& s, std::int64_t M) {
   if (M < 2) return false;
+  if (amx_own()) return true;  // any M gives a row the same sums
   try {
     const TilePrimitive* base = tile_primitive(s, false);
     if (!base->in_place) return false;
@@ -596,6 +664,10 @@ bool gemm_bf16_rows(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
                     std::span<const Bf16Target> targets, bool accumulate, int num_threads) {
   if (M <= 0 || s.N <= 0 || targets.empty()) return true;
   if (s.c_bf16) return false;
+  if (amx_own()) {
+    amx_products(s, M, a, targets, accumulate, num_threads);
+    return true;
+  }
   ColumnTiles t{};
   try {
     t = column_tiles(s, accumulate, M);

@@ -1,5 +1,9 @@
 // Products on bf16 operands with fp32 accumulation, on the CPU's bf16 units
-// (AMX-BF16, AVX512-BF16) through oneDNN's matmul primitive.
+// (AMX-BF16, AVX512-BF16) through oneDNN's matmul primitive, or, on AMX, on
+// kvcomp's own AMX kernel (gemm_amx.hpp; KVCOMP_AMX_KERNEL=0 keeps oneDNN's):
+// then B is packed once per call in that kernel's layout, A and C are read
+// and written where they lie, any M runs as it is (no padding rows needed,
+// though callers may still pad), and the tiling below does not apply.
 //
 // Where they run (bf16 io only; fp16 and fp32 calls keep fp32 products):
 // - forward projections, both precision modes: x, wkv and wgate are bf16,
@@ -73,7 +77,8 @@ bool bf16_split_products();
 // units everywhere.
 bool bf16_backward_products();
 
-// What runs: "f32 (dnnl_sgemm)", or "bf16 (<oneDNN implementation>[, packed
+// What runs: "f32 (dnnl_sgemm)", or "bf16 (kvcomp amx_bf16, precise as hi+lo) + f32 (dnnl_sgemm)"
+// on kvcomp's AMX kernel, or "bf16 (<oneDNN implementation>[, packed
 // B][, row-strided tiles <oneDNN implementation>], precise as hi+lo | precise in f32 |
 // backward in f32[, 1-8 rows and
 // prepared weights: kvcomp avx512_bf16]) + f32 (dnnl_sgemm)", either with

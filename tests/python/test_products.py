@@ -43,7 +43,7 @@ def _child(code, **env):
     e = dict(os.environ)
     # The child sees the machine as /proc/cpuinfo describes it (FLAGS): no caps inherited from the caller.
     for k in ("KVCOMP_PRODUCTS", "KVCOMP_ISA", "KVCOMP_ROW_STABLE", "KVCOMP_DECODE_PANELS", "KVCOMP_BF16_PACKED",
-              "KVCOMP_BF16_ROWS_KERNEL", "DNNL_MAX_CPU_ISA", "ONEDNN_MAX_CPU_ISA"):
+              "KVCOMP_BF16_ROWS_KERNEL", "KVCOMP_AMX_KERNEL", "DNNL_MAX_CPU_ISA", "ONEDNN_MAX_CPU_ISA"):
         e.pop(k, None)
     e.update(env)
     e["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(__file__), e.get("PYTHONPATH")]))
@@ -66,6 +66,17 @@ def test_bf16_units_are_used_where_the_cpu_has_them(env):
         assert "precise in f32" in name, name
     else:  # Intel's AVX512-BF16 without AMX: below the fp32 rate, so the backward keeps fp32 products
         assert "backward in f32" in name, name
+
+
+@pytest.mark.skipif("amx_bf16" not in FLAGS, reason="this CPU has no AMX-BF16")
+def test_amx_products_run_on_kvcomps_kernel_unless_switched_off():
+    """On AMX every bf16 product runs on kvcomp's own AMX kernel (src/cpu/gemm_amx.hpp); KVCOMP_AMX_KERNEL=0
+    gives oneDNN's AMX kernels back, and so does capping oneDNN below AMX."""
+    assert _child(_NAME).startswith("bf16 (kvcomp amx_bf16, precise as hi+lo)")
+    for env in ({"KVCOMP_AMX_KERNEL": "0"}, {"DNNL_MAX_CPU_ISA": "AVX512_CORE_BF16"}):
+        name = _child(_NAME, **env)
+        assert name.startswith("bf16 (") and "kvcomp amx_bf16" not in name, (env, name)
+    assert "amx" in _child(_NAME, KVCOMP_AMX_KERNEL="0")
 
 
 @pytest.mark.skipif(not HAS_BF16_UNITS, reason="this CPU has neither AMX-BF16 nor AVX512-BF16")

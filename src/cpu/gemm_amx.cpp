@@ -1,0 +1,246 @@
+// Built with -mamx-tile -mamx-bf16 -mavx512f (src/CMakeLists.txt); run only where amx_tiles_usable().
+#include "cpu/gemm_amx.hpp"
+
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/numerics.hpp"
+
+namespace kvcomp::detail {
+
+namespace {
+
+constexpr std::int64_t kStepK = 32;        // bf16 values of K per tile step (16 pairs)
+constexpr std::int64_t kGroupCols = 16;    // columns of one B tile
+constexpr std::int64_t kStepBytes = 1024;  // one packed B tile: 16 pair-rows x 16 columns x 4 bytes
+constexpr std::int64_t kPanelGroups = 8;   // column groups a row block runs before the next (B in L2)
+
+std::int64_t steps_of(std::int64_t K) { return (K + kStepK - 1) / kStepK; }
+std::int64_t groups_of(std::int64_t N) { return (N + kGroupCols - 1) / kGroupCols; }
+
+// The tile configuration (palette 1) as LDTILECFG reads it.
+struct alignas(64) TileConfig {
+  std::uint8_t palette = 1;
+  std::uint8_t start_row = 0;
+  std::uint8_t reserved[14] = {};
+  std::uint16_t colsb[16] = {};
+  std::uint8_t rows[16] = {};
+};
+
+// Tiles: 0-3 the C tiles (A0 or A1 times B0 or B1: 0 = A0.B0, 1 = A0.B1, 2 = A1.B0, 3 = A1.B1),
+// 4-5 A0 and A1 (r0 and r1 rows of 32 bf16), 6-7 B0 and B1 (16 pair-rows of 16 columns).
+void load_config(int r0, int r1) {
+  TileConfig cfg;
+  const int rows[8] = {r0, r0, r1, r1, r0, r1, 16, 16};
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = static_cast<std::uint8_t>(rows[t]);
+    cfg.colsb[t] = rows[t] > 0 ? 64 : 0;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+bool cpu_and_os_have_amx() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  if ((d & (1u << 24)) == 0 || (d & (1u << 22)) == 0) return false;  // AMX-TILE, AMX-BF16
+  if (!__get_cpuid(1, &a, &b, &c, &d) || (c & (1u << 27)) == 0) return false;  // OSXSAVE
+  unsigned lo = 0, hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (lo & (3u << 17)) == (3u << 17);  // XTILECFG and XTILEDATA enabled by the OS
+}
+
+// TILESTORED of C tile t (0-3): the tile number is part of the instruction.
+void store_c_tile(int t, void* at, std::int64_t stride) {
+  switch (t) {
+    case 0: _tile_stored(0, at, stride); break;
+    case 1: _tile_stored(1, at, stride); break;
+    case 2: _tile_stored(2, at, stride); break;
+    default: _tile_stored(3, at, stride); break;
+  }
+}
+
+// Where C tile t (rows x cols of the 16 x 16 it holds) goes: `c` points at its first element.
+void store_tile(int t, int rows, std::int64_t cols, void* c, std::int64_t ldc, AmxStore store) {
+  if (store == AmxStore::set && cols == kGroupCols) {
+    store_c_tile(t, c, ldc * static_cast<std::int64_t>(sizeof(float)));
+    return;
+  }
+  alignas(64) float sums[16 * 16];
+  store_c_tile(t, sums, 64);
+  for (int r = 0; r < rows; ++r) {
+    const float* s = sums + r * 16;
+    if (store == AmxStore::bf16) {
+      std::uint16_t* out = static_cast<std::uint16_t*>(c) + r * ldc;
+      for (std::int64_t j = 0; j < cols; ++j) out[j] = f32_to_bf16(s[j]);
+    } else {
+      float* out = static_cast<float*>(c) + r * ldc;
+      if (store == AmxStore::add)
+        for (std::int64_t j = 0; j < cols; ++j) out[j] = out[j] + s[j];
+      else
+        for (std::int64_t j = 0; j < cols; ++j) out[j] = s[j];
+    }
+  }
+}
+
+// One block of up to 32 rows x 32 columns over the whole K: a0 / a1 the rows of A0 / A1 (row stride
+// lda_bytes) for the full steps, tail0 / tail1 their last, zero-padded step (64-byte rows; null when
+// K is whole steps), b0 / b1 the packed groups.
+template <bool TwoRows, bool TwoCols>
+void block(const std::uint16_t* a0, const std::uint16_t* a1, std::int64_t lda_bytes, const std::uint16_t* tail0,
+           const std::uint16_t* tail1, const char* b0, const char* b1, std::int64_t full_steps) {
+  _tile_zero(0);
+  if constexpr (TwoCols) _tile_zero(1);
+  if constexpr (TwoRows) {
+    _tile_zero(2);
+    if constexpr (TwoCols) _tile_zero(3);
+  }
+  const auto step = [&](const std::uint16_t* x0, const std::uint16_t* x1, std::int64_t stride, std::int64_t s) {
+    _tile_loadd(4, x0, stride);
+    _tile_loadd(6, b0 + s * kStepBytes, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (TwoCols) {
+      _tile_loadd(7, b1 + s * kStepBytes, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (TwoRows) {
+      _tile_loadd(5, x1, stride);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (TwoCols) _tile_dpbf16ps(3, 5, 7);
+    }
+  };
+  for (std::int64_t s = 0; s < full_steps; ++s) step(a0 + s * kStepK, a1 + s * kStepK, lda_bytes, s);
+  if (tail0) step(tail0, tail1, 64, full_steps);
+}
+
+}  // namespace
+
+bool amx_tiles_usable() {
+  static const bool ok = [] {
+    if (!cpu_and_os_have_amx()) return false;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // asm/prctl.h, Linux >= 5.16
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+std::size_t amx_packed_bytes(std::int64_t N, std::int64_t K) {
+  return static_cast<std::size_t>(groups_of(N) * steps_of(K) * kStepBytes);
+}
+
+void amx_pack_b(std::int64_t N, std::int64_t K, const std::uint16_t* b, std::int64_t ldb, bool b_transposed,
+                void* packed, std::int64_t g0, std::int64_t g1) {
+  const std::int64_t steps = steps_of(K), pairs = steps * kStepK / 2;
+  auto* out = static_cast<std::uint32_t*>(packed);
+  for (std::int64_t g = g0; g < g1; ++g) {
+    std::uint32_t* grp = out + g * steps * (kStepBytes / 4);  // [pairs][16] of this group
+    const std::int64_t n0 = g * kGroupCols, cols = std::min(kGroupCols, N - n0);
+    if (b_transposed && cols == kGroupCols && ldb <= (std::int64_t{1} << 26)) {
+      // b[n * ldb + k], a whole group: each pair-row gathers one pair (4 bytes) from each of the 16
+      // columns; a last odd k, and the padding, as below.
+      const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                 _mm512_set1_epi32(static_cast<int>(ldb * 2)));
+      const std::uint16_t* base = b + n0 * ldb;
+      const std::int64_t whole = K / 2;
+      const __m512i zero = _mm512_setzero_si512();
+      for (std::int64_t p = 0; p < whole; ++p)
+        _mm512_storeu_si512(grp + p * kGroupCols, _mm512_mask_i32gather_epi32(zero, 0xFFFF, offsets, base + 2 * p, 1));
+      for (std::int64_t p = whole; p < pairs; ++p)
+        for (std::int64_t j = 0; j < kGroupCols; ++j)
+          grp[p * kGroupCols + j] = 2 * p < K ? base[j * ldb + 2 * p] : 0u;
+    } else if (b_transposed) {  // b[n * ldb + k]: each column's K contiguous
+      for (std::int64_t j = 0; j < kGroupCols; ++j) {
+        const std::uint16_t* col = j < cols ? b + (n0 + j) * ldb : nullptr;
+        for (std::int64_t p = 0; p < pairs; ++p) {
+          const std::int64_t k = 2 * p;
+          const std::uint32_t lo = col && k < K ? col[k] : 0u, hi = col && k + 1 < K ? col[k + 1] : 0u;
+          grp[p * kGroupCols + j] = lo | (hi << 16);
+        }
+      }
+    } else {  // b[k * ldb + n]: each row's columns contiguous
+      for (std::int64_t p = 0; p < pairs; ++p) {
+        const std::int64_t k = 2 * p;
+        const std::uint16_t* r0 = k < K ? b + k * ldb + n0 : nullptr;
+        const std::uint16_t* r1 = k + 1 < K ? b + (k + 1) * ldb + n0 : nullptr;
+        std::uint32_t* dst = grp + p * kGroupCols;
+        if (r1 && cols == kGroupCols) {
+          for (std::int64_t j = 0; j < kGroupCols; ++j)
+            dst[j] = static_cast<std::uint32_t>(r0[j]) | (static_cast<std::uint32_t>(r1[j]) << 16);
+        } else {
+          for (std::int64_t j = 0; j < kGroupCols; ++j) {
+            const std::uint32_t lo = r0 && j < cols ? r0[j] : 0u, hi = r1 && j < cols ? r1[j] : 0u;
+            dst[j] = lo | (hi << 16);
+          }
+        }
+      }
+    }
+  }
+}
+
+void amx_gemm_block(std::int64_t M, std::int64_t N, std::int64_t K, const std::uint16_t* a, std::int64_t lda,
+                    const void* packed, void* c, std::int64_t ldc, AmxStore store, std::int64_t g0,
+                    std::int64_t g1) {
+  if (M <= 0 || g0 >= g1) return;
+  const std::int64_t steps = steps_of(K), full_steps = K / kStepK, rem = K - full_steps * kStepK;
+  const std::int64_t lda_bytes = lda * static_cast<std::int64_t>(sizeof(std::uint16_t));
+  const std::int64_t c_size = store == AmxStore::bf16 ? 2 : 4;
+  const char* bp = static_cast<const char*>(packed);
+  // The last, partial K step of a row block's rows, zero-padded (reading A past K could meet inf or
+  // NaN, which times B's zero padding is NaN).
+  alignas(64) std::uint16_t tail[32 * kStepK];
+  int cfg_r0 = -1, cfg_r1 = -1;
+  for (std::int64_t p0 = g0; p0 < g1; p0 += kPanelGroups) {
+    const std::int64_t p1 = std::min(g1, p0 + kPanelGroups);
+    for (std::int64_t m = 0; m < M; m += 32) {
+      const int rows = static_cast<int>(std::min<std::int64_t>(32, M - m));
+      const int r0 = std::min(rows, 16), r1 = rows - r0;
+      if (r0 != cfg_r0 || r1 != cfg_r1) {
+        load_config(r0, r1);
+        cfg_r0 = r0;
+        cfg_r1 = r1;
+      }
+      const std::uint16_t* a0 = a + m * lda;
+      const std::uint16_t* a1 = r1 > 0 ? a0 + 16 * lda : a0;
+      const std::uint16_t *t0 = nullptr, *t1 = nullptr;
+      if (rem > 0) {
+        std::memset(tail, 0, sizeof tail);
+        for (int r = 0; r < rows; ++r)
+          std::memcpy(tail + r * kStepK, a0 + r * lda + full_steps * kStepK,
+                      static_cast<std::size_t>(rem) * sizeof(std::uint16_t));
+        t0 = tail;
+        t1 = tail + 16 * kStepK;
+      }
+      for (std::int64_t g = p0; g < p1; g += 2) {
+        const bool two_cols = g + 1 < p1;
+        const char* b0 = bp + g * steps * kStepBytes;
+        const char* b1 = b0 + steps * kStepBytes;
+        if (r1 > 0 && two_cols)
+          block<true, true>(a0, a1, lda_bytes, t0, t1, b0, b1, full_steps);
+        else if (r1 > 0)
+          block<true, false>(a0, a1, lda_bytes, t0, t1, b0, b1, full_steps);
+        else if (two_cols)
+          block<false, true>(a0, a1, lda_bytes, t0, t1, b0, b1, full_steps);
+        else
+          block<false, false>(a0, a1, lda_bytes, t0, t1, b0, b1, full_steps);
+        const std::int64_t n0 = g * kGroupCols;
+        auto* cm = static_cast<unsigned char*>(c) + (m * ldc + n0) * c_size;
+        auto* cm1 = cm + 16 * ldc * c_size;
+        const std::int64_t cols0 = std::min(kGroupCols, N - n0);
+        store_tile(0, r0, cols0, cm, ldc, store);
+        if (two_cols) store_tile(1, r0, std::min(kGroupCols, N - n0 - kGroupCols), cm + 16 * c_size, ldc, store);
+        if (r1 > 0) {
+          store_tile(2, r1, cols0, cm1, ldc, store);
+          if (two_cols)
+            store_tile(3, r1, std::min(kGroupCols, N - n0 - kGroupCols), cm1 + 16 * c_size, ldc, store);
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+}  // namespace kvcomp::detail
