@@ -91,15 +91,17 @@ void store_tile(int t, int rows, std::int64_t cols, void* c, std::int64_t ldc, A
 // lda_bytes) for the full steps, tail0 / tail1 their last, zero-padded step (64-byte rows; null when
 // K is whole steps), b0 / b1 the packed groups.
 template <bool TwoRows, bool TwoCols>
-void block(const std::uint16_t* a0, const std::uint16_t* a1, std::int64_t lda_bytes, const std::uint16_t* tail0,
-           const std::uint16_t* tail1, const char* b0, const char* b1, std::int64_t full_steps) {
+void block(const std::uint16_t* a0, const std::uint16_t* a1, std::int64_t lda_bytes,
+           const std::uint16_t* tail0, const std::uint16_t* tail1, const char* b0, const char* b1,
+           std::int64_t full_steps) {
   _tile_zero(0);
   if constexpr (TwoCols) _tile_zero(1);
   if constexpr (TwoRows) {
     _tile_zero(2);
     if constexpr (TwoCols) _tile_zero(3);
   }
-  const auto step = [&](const std::uint16_t* x0, const std::uint16_t* x1, std::int64_t stride, std::int64_t s) {
+  const auto step = [&](const std::uint16_t* x0, const std::uint16_t* x1, std::int64_t stride,
+                        std::int64_t s) {
     _tile_loadd(4, x0, stride);
     _tile_loadd(6, b0 + s * kStepBytes, 64);
     _tile_dpbf16ps(0, 4, 6);
@@ -142,13 +144,15 @@ void amx_pack_b(std::int64_t N, std::int64_t K, const std::uint16_t* b, std::int
     if (b_transposed && cols == kGroupCols && ldb <= (std::int64_t{1} << 26)) {
       // b[n * ldb + k], a whole group: each pair-row gathers one pair (4 bytes) from each of the 16
       // columns; a last odd k, and the padding, as below.
-      const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                                 _mm512_set1_epi32(static_cast<int>(ldb * 2)));
+      const __m512i offsets =
+          _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                             _mm512_set1_epi32(static_cast<int>(ldb * 2)));
       const std::uint16_t* base = b + n0 * ldb;
       const std::int64_t whole = K / 2;
       const __m512i zero = _mm512_setzero_si512();
       for (std::int64_t p = 0; p < whole; ++p)
-        _mm512_storeu_si512(grp + p * kGroupCols, _mm512_mask_i32gather_epi32(zero, 0xFFFF, offsets, base + 2 * p, 1));
+        _mm512_storeu_si512(grp + p * kGroupCols,
+                            _mm512_mask_i32gather_epi32(zero, 0xFFFF, offsets, base + 2 * p, 1));
       for (std::int64_t p = whole; p < pairs; ++p)
         for (std::int64_t j = 0; j < kGroupCols; ++j)
           grp[p * kGroupCols + j] = 2 * p < K ? base[j * ldb + 2 * p] : 0u;
@@ -230,12 +234,12 @@ void amx_gemm_block(std::int64_t M, std::int64_t N, std::int64_t K, const std::u
         auto* cm = static_cast<unsigned char*>(c) + (m * ldc + n0) * c_size;
         auto* cm1 = cm + 16 * ldc * c_size;
         const std::int64_t cols0 = std::min(kGroupCols, N - n0);
+        const std::int64_t cols1 = std::min(kGroupCols, N - n0 - kGroupCols);
         store_tile(0, r0, cols0, cm, ldc, store);
-        if (two_cols) store_tile(1, r0, std::min(kGroupCols, N - n0 - kGroupCols), cm + 16 * c_size, ldc, store);
+        if (two_cols) store_tile(1, r0, cols1, cm + 16 * c_size, ldc, store);
         if (r1 > 0) {
           store_tile(2, r1, cols0, cm1, ldc, store);
-          if (two_cols)
-            store_tile(3, r1, std::min(kGroupCols, N - n0 - kGroupCols), cm1 + 16 * c_size, ldc, store);
+          if (two_cols) store_tile(3, r1, cols1, cm1 + 16 * c_size, ldc, store);
         }
       }
     }

@@ -202,8 +202,8 @@ const std::string& kernel_name() {
 bool amx_own() {
   static const bool yes = [] {
     const char* v = std::getenv("KVCOMP_AMX_KERNEL");
-    return kernel_name().find("amx") != std::string::npos && !packed_forced() && !(v && std::strcmp(v, "0") == 0) &&
-           amx_tiles_usable();
+    const bool off = v && std::strcmp(v, "0") == 0;
+    return kernel_name().find("amx") != std::string::npos && !packed_forced() && !off && amx_tiles_usable();
   }();
   return yes;
 }
@@ -215,13 +215,14 @@ std::int64_t amx_groups(std::int64_t N) { return (N + 15) / 16; }
 // per thread where there are rows enough), else the columns in blocks of whole group pairs, so that
 // every thread has a share; a block is one single-threaded amx_gemm_block. Which block or thread
 // computes an element does not change its sum (gemm_amx.hpp).
-void amx_products(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a, std::span<const Bf16Target> targets,
-                  bool accumulate, int num_threads) {
+void amx_products(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
+                  std::span<const Bf16Target> targets, bool accumulate, int num_threads) {
   const AmxStore store = s.c_bf16 ? AmxStore::bf16 : accumulate ? AmxStore::add : AmxStore::set;
   const auto n_targets = static_cast<std::int64_t>(targets.size());
   const std::int64_t threads = std::max(num_threads, 1), groups = amx_groups(s.N);
   const std::int64_t row_units = (M + 31) / 32;  // blocks of 32 rows
-  const std::int64_t row_blocks = std::clamp((threads + n_targets - 1) / n_targets, std::int64_t{1}, row_units);
+  const std::int64_t row_blocks =
+      std::clamp((threads + n_targets - 1) / n_targets, std::int64_t{1}, row_units);
   const std::int64_t rows = (row_units + row_blocks - 1) / row_blocks * 32;
   const std::int64_t pairs = (groups + 1) / 2;
   const std::int64_t col_blocks =
@@ -235,8 +236,9 @@ void amx_products(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a, st
     const std::int64_t r0 = u % per_target / col_blocks * rows, g0 = u % col_blocks * cols;
     const std::int64_t m = std::min(rows, M - r0);
     if (m <= 0 || g0 >= groups) continue;
-    amx_gemm_block(m, s.N, s.K, a + r0 * s.lda, s.lda, x.b, static_cast<unsigned char*>(x.c) + r0 * s.ldc * c_size,
-                   s.ldc, store, g0, std::min(groups, g0 + cols));
+    amx_gemm_block(m, s.N, s.K, a + r0 * s.lda, s.lda, x.b,
+                   static_cast<unsigned char*>(x.c) + r0 * s.ldc * c_size, s.ldc, store, g0,
+                   std::min(groups, g0 + cols));
   }
 }
 

@@ -139,24 +139,27 @@ TEST_P(GemmAmx, PackingInSlicesIsThePackingWhole) {
   const Operands o(GetParam(), 5);
   std::vector<unsigned char> sliced(o.packed.size(), 0xCD);
   for (i64 g = 0; g < o.groups(); g += 2)
-    amx_pack_b(o.s.N, o.s.K, o.b.data(), o.ldb, o.s.b_transposed, sliced.data(), g, std::min(o.groups(), g + 2));
+    amx_pack_b(o.s.N, o.s.K, o.b.data(), o.ldb, o.s.b_transposed, sliced.data(), g,
+               std::min(o.groups(), g + 2));
   EXPECT_EQ(sliced, o.packed);
 }
 
 // Tails of every kind: M not a multiple of 16 or 32, N of 16, K of 32 or odd; a call of one row and
 // one column; a K shorter than one step; both layouts of B.
+std::string shape_name(const ::testing::TestParamInfo<Shape>& p) {
+  std::string name = "m";
+  name.append(std::to_string(p.param.M)).append("_n").append(std::to_string(p.param.N));
+  name.append("_k").append(std::to_string(p.param.K));
+  return name.append(p.param.b_transposed ? "_bt" : "_b");
+}
+
 INSTANTIATE_TEST_SUITE_P(Shapes, GemmAmx,
-                         ::testing::Values(Shape{1, 1, 1, true}, Shape{1, 16, 32, true}, Shape{3, 17, 33, false},
-                                           Shape{16, 32, 64, true}, Shape{17, 48, 31, true},
-                                           Shape{31, 40, 95, false}, Shape{33, 64, 1, true},
-                                           Shape{70, 50, 257, false}, Shape{64, 160, 1003, true},
-                                           Shape{5, 272, 4096, true}),
-                         [](const ::testing::TestParamInfo<Shape>& p) {
-                           std::string name = "m";
-                           name.append(std::to_string(p.param.M)).append("_n").append(std::to_string(p.param.N));
-                           name.append("_k").append(std::to_string(p.param.K));
-                           return name.append(p.param.b_transposed ? "_bt" : "_b");
-                         });
+                         ::testing::Values(Shape{1, 1, 1, true}, Shape{1, 16, 32, true},
+                                           Shape{3, 17, 33, false}, Shape{16, 32, 64, true},
+                                           Shape{17, 48, 31, true}, Shape{31, 40, 95, false},
+                                           Shape{33, 64, 1, true}, Shape{70, 50, 257, false},
+                                           Shape{64, 160, 1003, true}, Shape{5, 272, 4096, true}),
+                         shape_name);
 
 }  // namespace
 }  // namespace kvcomp::detail
