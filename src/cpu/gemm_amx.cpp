@@ -18,7 +18,11 @@ namespace {
 constexpr std::int64_t kStepK = 32;        // bf16 values of K per tile step (16 pairs)
 constexpr std::int64_t kGroupCols = 16;    // columns of one B tile
 constexpr std::int64_t kStepBytes = 1024;  // one packed B tile: 16 pair-rows x 16 columns x 4 bytes
-constexpr std::int64_t kPanelGroups = 8;   // column groups a row block runs before the next (B in L2)
+// Column groups a row block runs before the next: as many as keep B's panel (every K step of them)
+// near 1 MiB, so that it stays in L2 for the next row block, 8 to 32 (K 4096: 8, K 1024: 32).
+constexpr std::int64_t kPanelBytes = std::int64_t{1} << 20;
+constexpr std::int64_t kMinPanelGroups = 8, kMaxPanelGroups = 32;
+constexpr std::int64_t kChunkSteps = 8;    // K steps of A copied at a time (256 K: 16 KiB for 32 rows)
 
 std::int64_t steps_of(std::int64_t K) { return (K + kStepK - 1) / kStepK; }
 std::int64_t groups_of(std::int64_t N) { return (N + kGroupCols - 1) / kGroupCols; }
@@ -87,36 +91,47 @@ void store_tile(int t, int rows, std::int64_t cols, void* c, std::int64_t ldc, A
   }
 }
 
-// One block of up to 32 rows x 32 columns over the whole K: a0 / a1 the rows of A0 / A1 (row stride
-// lda_bytes) for the full steps, tail0 / tail1 their last, zero-padded step (64-byte rows; null when
-// K is whole steps), b0 / b1 the packed groups.
+// One K chunk of a block of up to 32 rows x 32 columns: its C tiles zeroed (the first chunk) or
+// reloaded from `partial` (the fp32 sums of the chunks before: four tiles of 16 x 16, 64-byte rows;
+// storing and reloading fp32 changes no bit), `n` steps from step k0 on (A from `chunk`, per step
+// 32 rows of 32 bf16, A1's rows from the 17th on; B from the packed groups b0 / b1), and the sums
+// saved to `partial` unless this is the last chunk (then they stay in the tiles for the store).
 template <bool TwoRows, bool TwoCols>
-void block(const std::uint16_t* a0, const std::uint16_t* a1, std::int64_t lda_bytes,
-           const std::uint16_t* tail0, const std::uint16_t* tail1, const char* b0, const char* b1,
-           std::int64_t full_steps) {
-  _tile_zero(0);
-  if constexpr (TwoCols) _tile_zero(1);
-  if constexpr (TwoRows) {
-    _tile_zero(2);
-    if constexpr (TwoCols) _tile_zero(3);
+void chunk_steps(const std::uint16_t* chunk, const char* b0, const char* b1, std::int64_t k0, std::int64_t n,
+                 float* partial, bool first, bool last) {
+  if (first) {
+    _tile_zero(0);
+    if constexpr (TwoCols) _tile_zero(1);
+    if constexpr (TwoRows) _tile_zero(2);
+    if constexpr (TwoRows && TwoCols) _tile_zero(3);
+  } else {
+    _tile_loadd(0, partial, 64);
+    if constexpr (TwoCols) _tile_loadd(1, partial + 256, 64);
+    if constexpr (TwoRows) _tile_loadd(2, partial + 512, 64);
+    if constexpr (TwoRows && TwoCols) _tile_loadd(3, partial + 768, 64);
   }
-  const auto step = [&](const std::uint16_t* x0, const std::uint16_t* x1, std::int64_t stride,
-                        std::int64_t s) {
-    _tile_loadd(4, x0, stride);
-    _tile_loadd(6, b0 + s * kStepBytes, 64);
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::uint16_t* x = chunk + i * 32 * kStepK;
+    const std::int64_t at = (k0 + i) * kStepBytes;
+    _tile_loadd(4, x, 64);
+    _tile_loadd(6, b0 + at, 64);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (TwoCols) {
-      _tile_loadd(7, b1 + s * kStepBytes, 64);
+      _tile_loadd(7, b1 + at, 64);
       _tile_dpbf16ps(1, 4, 7);
     }
     if constexpr (TwoRows) {
-      _tile_loadd(5, x1, stride);
+      _tile_loadd(5, x + 16 * kStepK, 64);
       _tile_dpbf16ps(2, 5, 6);
       if constexpr (TwoCols) _tile_dpbf16ps(3, 5, 7);
     }
-  };
-  for (std::int64_t s = 0; s < full_steps; ++s) step(a0 + s * kStepK, a1 + s * kStepK, lda_bytes, s);
-  if (tail0) step(tail0, tail1, 64, full_steps);
+  }
+  if (!last) {
+    _tile_stored(0, partial, 64);
+    if constexpr (TwoCols) _tile_stored(1, partial + 256, 64);
+    if constexpr (TwoRows) _tile_stored(2, partial + 512, 64);
+    if constexpr (TwoRows && TwoCols) _tile_stored(3, partial + 768, 64);
+  }
 }
 
 }  // namespace
@@ -189,16 +204,20 @@ void amx_gemm_block(std::int64_t M, std::int64_t N, std::int64_t K, const std::u
                     const void* packed, void* c, std::int64_t ldc, AmxStore store, std::int64_t g0,
                     std::int64_t g1) {
   if (M <= 0 || g0 >= g1) return;
-  const std::int64_t steps = steps_of(K), full_steps = K / kStepK, rem = K - full_steps * kStepK;
-  const std::int64_t lda_bytes = lda * static_cast<std::int64_t>(sizeof(std::uint16_t));
+  const std::int64_t steps = steps_of(K);
   const std::int64_t c_size = store == AmxStore::bf16 ? 2 : 4;
   const char* bp = static_cast<const char*>(packed);
-  // The last, partial K step of a row block's rows, zero-padded (reading A past K could meet inf or
-  // NaN, which times B's zero padding is NaN).
-  alignas(64) std::uint16_t tail[32 * kStepK];
+  // A K chunk of the row block's rows, copied step by step into 64-byte rows (16 KiB: it stays in L1
+  // across the panel's column groups, where rows of A 8 KiB apart would all fall into one L1 set),
+  // the last step zero-padded past K (reading A past K could meet inf or NaN, which times B's zero
+  // padding is NaN). And the fp32 sums of the panel's blocks between chunks.
+  alignas(64) std::uint16_t chunk[kChunkSteps * 32 * kStepK];
+  alignas(64) float partial[kMaxPanelGroups / 2][4 * 256];
+  const std::int64_t panel =
+      std::clamp(kPanelBytes / (steps * kStepBytes) / 2 * 2, kMinPanelGroups, kMaxPanelGroups);
   int cfg_r0 = -1, cfg_r1 = -1;
-  for (std::int64_t p0 = g0; p0 < g1; p0 += kPanelGroups) {
-    const std::int64_t p1 = std::min(g1, p0 + kPanelGroups);
+  for (std::int64_t p0 = g0; p0 < g1; p0 += panel) {
+    const std::int64_t p1 = std::min(g1, p0 + panel);
     for (std::int64_t m = 0; m < M; m += 32) {
       const int rows = static_cast<int>(std::min<std::int64_t>(32, M - m));
       const int r0 = std::min(rows, 16), r1 = rows - r0;
@@ -207,39 +226,47 @@ void amx_gemm_block(std::int64_t M, std::int64_t N, std::int64_t K, const std::u
         cfg_r0 = r0;
         cfg_r1 = r1;
       }
-      const std::uint16_t* a0 = a + m * lda;
-      const std::uint16_t* a1 = r1 > 0 ? a0 + 16 * lda : a0;
-      const std::uint16_t *t0 = nullptr, *t1 = nullptr;
-      if (rem > 0) {
-        std::memset(tail, 0, sizeof tail);
-        for (int r = 0; r < rows; ++r)
-          std::memcpy(tail + r * kStepK, a0 + r * lda + full_steps * kStepK,
-                      static_cast<std::size_t>(rem) * sizeof(std::uint16_t));
-        t0 = tail;
-        t1 = tail + 16 * kStepK;
-      }
-      for (std::int64_t g = p0; g < p1; g += 2) {
-        const bool two_cols = g + 1 < p1;
-        const char* b0 = bp + g * steps * kStepBytes;
-        const char* b1 = b0 + steps * kStepBytes;
-        if (r1 > 0 && two_cols)
-          block<true, true>(a0, a1, lda_bytes, t0, t1, b0, b1, full_steps);
-        else if (r1 > 0)
-          block<true, false>(a0, a1, lda_bytes, t0, t1, b0, b1, full_steps);
-        else if (two_cols)
-          block<false, true>(a0, a1, lda_bytes, t0, t1, b0, b1, full_steps);
-        else
-          block<false, false>(a0, a1, lda_bytes, t0, t1, b0, b1, full_steps);
-        const std::int64_t n0 = g * kGroupCols;
-        auto* cm = static_cast<unsigned char*>(c) + (m * ldc + n0) * c_size;
-        auto* cm1 = cm + 16 * ldc * c_size;
-        const std::int64_t cols0 = std::min(kGroupCols, N - n0);
-        const std::int64_t cols1 = std::min(kGroupCols, N - n0 - kGroupCols);
-        store_tile(0, r0, cols0, cm, ldc, store);
-        if (two_cols) store_tile(1, r0, cols1, cm + 16 * c_size, ldc, store);
-        if (r1 > 0) {
-          store_tile(2, r1, cols0, cm1, ldc, store);
-          if (two_cols) store_tile(3, r1, cols1, cm1 + 16 * c_size, ldc, store);
+      for (std::int64_t k0 = 0; k0 < steps; k0 += kChunkSteps) {
+        const std::int64_t n = std::min(kChunkSteps, steps - k0);
+        for (std::int64_t i = 0; i < n; ++i) {
+          const std::int64_t k = (k0 + i) * kStepK, len = std::min(kStepK, K - k);
+          std::uint16_t* dst = chunk + i * 32 * kStepK;
+          const std::uint16_t* src = a + m * lda + k;
+          if (len == kStepK) {  // one 64-byte load and store per row
+            for (int r = 0; r < rows; ++r)
+              _mm512_store_si512(dst + r * kStepK, _mm512_loadu_si512(src + r * lda));
+          } else {  // the last step: its first len values, zeros after
+            const auto keep = static_cast<__mmask32>((std::uint64_t{1} << len) - 1);
+            for (int r = 0; r < rows; ++r)
+              _mm512_store_si512(dst + r * kStepK, _mm512_maskz_loadu_epi16(keep, src + r * lda));
+          }
+        }
+        const bool first = k0 == 0, last = k0 + n == steps;
+        for (std::int64_t g = p0; g < p1; g += 2) {
+          const bool two_cols = g + 1 < p1;
+          const char* b0 = bp + g * steps * kStepBytes;
+          const char* b1 = b0 + steps * kStepBytes;
+          float* part = partial[(g - p0) / 2];
+          if (r1 > 0 && two_cols)
+            chunk_steps<true, true>(chunk, b0, b1, k0, n, part, first, last);
+          else if (r1 > 0)
+            chunk_steps<true, false>(chunk, b0, b1, k0, n, part, first, last);
+          else if (two_cols)
+            chunk_steps<false, true>(chunk, b0, b1, k0, n, part, first, last);
+          else
+            chunk_steps<false, false>(chunk, b0, b1, k0, n, part, first, last);
+          if (!last) continue;
+          const std::int64_t n0 = g * kGroupCols;
+          auto* cm = static_cast<unsigned char*>(c) + (m * ldc + n0) * c_size;
+          auto* cm1 = cm + 16 * ldc * c_size;
+          const std::int64_t cols0 = std::min(kGroupCols, N - n0);
+          const std::int64_t cols1 = std::min(kGroupCols, N - n0 - kGroupCols);
+          store_tile(0, r0, cols0, cm, ldc, store);
+          if (two_cols) store_tile(1, r0, cols1, cm + 16 * c_size, ldc, store);
+          if (r1 > 0) {
+            store_tile(2, r1, cols0, cm1, ldc, store);
+            if (two_cols) store_tile(3, r1, cols1, cm1 + 16 * c_size, ldc, store);
+          }
         }
       }
     }
