@@ -7,12 +7,14 @@
 // so on AMX they ran its jit gemm, which packs B again on every execution
 // (the forward 1.15-1.28x its product alone, a decode call 1.5-1.7x:
 // docs/performance.md). The tile instructions themselves take any row
-// stride, so this kernel reads A and writes C where they lie and reads B
+// stride, so this kernel writes C where it lies, reads A where it lies (256
+// of K at a time copied into an L1 buffer, 16 KiB for 32 rows) and reads B
 // from a copy packed once per call (or once for good: prepared weights).
 //
 // The sums. C[m, n] = sum over k of A[m, k] * B[k, n] runs, for every
 // element, over K in steps of 32 (16 pairs; the last step zero-padded) in
-// increasing order, one TDPBF16PS per step accumulating in an fp32 tile. A
+// increasing order, one TDPBF16PS per step accumulating in an fp32 tile
+// (stored and reloaded as fp32 between K chunks: no bit changes). A
 // tile's rows never mix, and which tile or thread holds an element changes
 // nothing of its sum: so a row's bits depend neither on the call's row
 // count (row stability, gemm.hpp) nor on the thread count, nor on how the
@@ -46,7 +48,8 @@ enum class AmxStore { set, add, bf16 };
 
 // C[m, n] for rows [0, M) and the columns of groups [g0, g1): A bf16 row-major (row stride lda), B
 // packed by amx_pack_b, C row-major (row stride ldc; float, or std::uint16_t for AmxStore::bf16).
-// Single-threaded, on the calling thread; needs amx_tiles_usable().
+// Single-threaded, on the calling thread (about 82 KiB of its stack: A's chunk, the sums between
+// chunks, one tile for the stores); needs amx_tiles_usable().
 void amx_gemm_block(std::int64_t M, std::int64_t N, std::int64_t K, const std::uint16_t* a, std::int64_t lda,
                     const void* packed, void* c, std::int64_t ldc, AmxStore store, std::int64_t g0,
                     std::int64_t g1);
