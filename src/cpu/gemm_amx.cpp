@@ -1,7 +1,6 @@
 // Built with -mamx-tile -mamx-bf16 -mavx512f (src/CMakeLists.txt); run only where amx_tiles_usable().
 #include "cpu/gemm_amx.hpp"
 
-#include <cpuid.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -10,6 +9,7 @@
 #include <cstring>
 
 #include "common/numerics.hpp"
+#include "cpu/isa.hpp"
 
 namespace kvcomp::detail {
 
@@ -46,16 +46,6 @@ void load_config(int r0, int r1) {
     cfg.colsb[t] = rows[t] > 0 ? 64 : 0;
   }
   _tile_loadconfig(&cfg);
-}
-
-bool cpu_and_os_have_amx() {
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  if ((d & (1u << 24)) == 0 || (d & (1u << 22)) == 0) return false;  // AMX-TILE, AMX-BF16
-  if (!__get_cpuid(1, &a, &b, &c, &d) || (c & (1u << 27)) == 0) return false;  // OSXSAVE
-  unsigned lo = 0, hi = 0;
-  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-  return (lo & (3u << 17)) == (3u << 17);  // XTILECFG and XTILEDATA enabled by the OS
 }
 
 // TILESTORED of C tile t (0-3): the tile number is part of the instruction.
@@ -138,7 +128,7 @@ void chunk_steps(const std::uint16_t* chunk, const char* b0, const char* b1, std
 
 bool amx_tiles_usable() {
   static const bool ok = [] {
-    if (!cpu_and_os_have_amx()) return false;
+    if (!cpu_has_amx_bf16()) return false;
     constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // asm/prctl.h, Linux >= 5.16
     return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   }();
