@@ -213,10 +213,6 @@ void forward_block(const ForwardBlockIo& io, const Dims& dm, const BatchSpan& s,
 
 }  // namespace
 
-bool forward_columns_narrow(const Dims& d, int num_threads) {
-  return num_threads > 1 && slices(d) < 2 * num_threads;
-}
-
 void forward_blocks(const BlockPlan& plan, const ForwardBlockIo& io, std::int64_t a, std::int64_t b,
                     int num_threads) {
   const Dims& dm = plan.dims;
@@ -281,7 +277,8 @@ void forward_blocks(const BlockPlan& plan, const ForwardBlockIo& io, std::int64_
 }
 
 int forward_block_threads(const Dims& d, int num_threads) {
-  return forward_columns_narrow(d, num_threads) ? num_threads : block_phase_threads(d, num_threads);
+  return d.T / d.r + d.B >= 2 * static_cast<std::int64_t>(num_threads) ? num_threads
+                                                                        : block_phase_threads(d, num_threads);
 }
 
 int block_phase_threads(const Dims& d, int num_threads) {

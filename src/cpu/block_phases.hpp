@@ -8,9 +8,9 @@
 // one thread in a fixed (batch, block, slot) order, so results, including the
 // d_ape sums, are bitwise independent of the thread count; and for the
 // forward, cache reads and writes of one column happen in the spec's batch
-// order (writes of a batch before the reads of its blocks). Where a thread's
-// columns would be narrow, the forward deals whole blocks instead when no slot
-// aliases (every element still computed by one thread, alike).
+// order (writes of a batch before the reads of its blocks). Where a chunk holds
+// two blocks per thread and no slot aliases, the forward deals whole blocks
+// instead (every element still computed by one thread, alike).
 #pragma once
 
 #include <cstdint>
@@ -55,9 +55,9 @@ struct ForwardBlockIo {
   float* kv = nullptr;             // may be null
   // Scratch: forward_scratch_bytes() for each of forward_block_threads() threads.
   void* scratch = nullptr;
-  // Set where forward_columns_narrow, the call has two blocks per thread, and no cache slot that it
-  // writes is also read or written again by it (cache_slots_alias false): forward_blocks may then deal
-  // whole blocks to the threads.
+  // Set where the call has two blocks per thread and no cache slot that it writes is also read or
+  // written again by it (cache_slots_alias false): forward_blocks may then deal whole blocks to the
+  // threads. Needs scratch for num_threads threads (forward_block_threads gives that for such calls).
   bool blocks_may_split = false;
 };
 
@@ -65,11 +65,8 @@ struct ForwardBlockIo {
 std::size_t forward_scratch_bytes(const Dims& d);
 // Threads forward_blocks and backward_blocks use: num_threads, at most one per column slice.
 int block_phase_threads(const Dims& d, int num_threads);
-// Whether a thread's run of columns would be narrow (under two slices) or leave threads idle, so that
-// forward_blocks deals whole blocks to the threads where it may (ForwardBlockIo::blocks_may_split).
-bool forward_columns_narrow(const Dims& d, int num_threads);
-// Threads forward_blocks may use (the scratch it needs): block_phase_threads, or all num_threads where
-// forward_columns_narrow.
+// Threads forward_blocks may use (the scratch it needs): all num_threads where a call of these dims may
+// hold two blocks per thread (at most T / r + B blocks), else block_phase_threads.
 int forward_block_threads(const Dims& d, int num_threads);
 
 // Adds ape to the score projections of used tokens of rows [a, b).
@@ -77,8 +74,9 @@ void add_ape(const BlockPlan& plan, const float* ape, float* proj, std::int64_t 
              std::int64_t proj_ld, std::int64_t a, std::int64_t b, int num_threads);
 
 // Cache writes of rows [a, b) and the blocks whose last row lies in [a, b): in column runs per thread, or,
-// where a thread's columns would be narrow (under two slices), the slots aliasing-free and the chunk
-// holds two blocks per thread, in shares of the rows and of the blocks per thread. Bitwise the same.
+// where the slots are aliasing-free and the chunk holds two blocks per thread, in shares of the rows and
+// of the blocks per thread (whole rows: a decode call's cache slots read as whole runs, not one column
+// run per thread). Bitwise the same.
 void forward_blocks(const BlockPlan& plan, const ForwardBlockIo& io, std::int64_t a, std::int64_t b,
                     int num_threads);
 

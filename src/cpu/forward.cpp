@@ -247,7 +247,7 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, int num_threa
   io.scratch = buf.scratch;
   // Whole blocks may be dealt to the threads (forward_blocks) where no slot the call writes is also
   // read or written again by it; the check reads the block table once (allocates: before any write).
-  if (forward_columns_narrow(d, num_threads) && plan.total_blocks >= 2 * num_threads)
+  if (plan.total_blocks >= 2 * num_threads)
     io.blocks_may_split = !cache_slots_alias(plan, cache_geometry(args, io.block_table));
 
   io.proj_ld = buf.ld_c2;

@@ -131,6 +131,36 @@ TEST(Determinism, NarrowColumnsBitwiseAcrossThreadCounts) {
         }
 }
 
+// A decode call of four sequences of one token, each closing a block whose other rows are cache rows:
+// on 1 and 2 threads the forward deals the four blocks to the threads (whole rows), on 3 and 5 (under two
+// blocks per thread) each thread walks its run of columns. D = 160 is ten slices, so the column runs
+// are wide. Both walks must give the same bits, the cache writes included.
+TEST(Determinism, DecodeBlocksDealtOrWalkedBitwiseEqual) {
+  std::uint64_t seed = 60;
+  for (const std::int64_t coff : {1, 2})
+    for (const int mode : {1, 2})
+      for (const bool th : {false, true}) {
+        RandomOptions o;
+        o.th = th;
+        o.B = 4;
+        o.S = 1;
+        o.H = 24;
+        o.D = 160;
+        o.coff = coff;
+        o.r = 4;
+        o.cache_mode = mode;
+        o.block_size = 16;
+        o.start_pos = {7, 11, 3, 15};  // (start_pos + 1) % r == 0: every sequence closes a block
+        o.seqused = {1, 1, 1, 1};
+        o.lengths = {1, 1, 1, 1};
+        auto rc = make_random_case(o, ++seed);
+        round_io_inputs(rc.in, DType::bf16);
+        SCOPED_TRACE("coff " + std::to_string(coff) + ", cache mode " + std::to_string(mode) +
+                     (th ? ", TH" : ", BSH"));
+        expect_forward_bits_across_threads(rc, DType::bf16);
+      }
+}
+
 // Rows of H = 200 and C = 80 span more than one 64-column block of oneDNN's packed layout, so where B is
 // packed (AMX, KVCOMP_BF16_PACKED=1) a call with more threads than matrices packs them in column slices
 // (bf16_pack_b), and every slice must land where one whole reorder puts it.
