@@ -24,7 +24,7 @@ struct BackwardBuffers {
   float* wcat = nullptr;              // [2C, ld_h]: wkv rows then wgate rows, fp32 (fp32 products)
   float* dwcat;                       // [2C (bf16: padded to a tile), ld_h]: d_wkv then d_wgate rows, fp32
   float* xf = nullptr;  // [R, ld_h]: the chunk's x rows in fp32, rows without gradient zeroed (fp32 products)
-  float* dnew = nullptr;  // [Rp, ld_c2]: d_new_kv | d_new_score (null where dn_direct)
+  float* dnew = nullptr;  // [Rp, ld_c2]: d_new_kv | d_new_score (fp32 products only: null where dn_direct)
   float* dnew_t = nullptr;  // [2C, ld_r]: its transpose (oneDNN's transposed-A path runs at half speed)
   float* dxf;               // [Rp, ld_h]: d_x of the chunk before narrowing
   double* dape;             // [r, C]
@@ -32,8 +32,8 @@ struct BackwardBuffers {
   // bf16 as a high part and, in precise mode, a low part (d_new - hi, rounded): both as the d_x
   // product's A [Rp, ld_dn] and, transposed, as the weight-gradient product's A [2Cp, ld_t].
   bool bf16 = false;
-  // npu_parity on the bf16 units: the blocks write d_new as bf16 straight into dn[0] (its values are
-  // bf16 already), no fp32 rows.
+  // On the bf16 units the blocks write d_new as bf16 straight into dn[0] (npu_parity: its values are
+  // bf16 already) or as its two parts into dn[0] and dn[1] (precise): no fp32 rows.
   bool dn_direct = false;
   bool ok = true;
   std::int64_t ld_dn = 0, ld_t = 0, c2p = 0;  // c2p: 2C padded to a tile
@@ -70,7 +70,7 @@ struct BackwardBuffers {
       const Bf16Plan w = bf16_plan(dx_shape(d)), x = bf16_plan(dw_shape(d, bf16_padded_rows(R)));
       packed_x_bytes = x.packed_bytes;
       bf16 = true;
-      dn_direct = precision == Precision::npu_parity;
+      dn_direct = true;
       ok = w.ok && x.ok;  // oneDNN could not make the products (out of memory)
       wcat16 = ws.take<std::uint16_t>(2 * d.C * d.H);
       if (w.packed_bytes > 0) packed_w = ws.take<unsigned char>(static_cast<std::int64_t>(w.packed_bytes));
@@ -159,8 +159,8 @@ void transpose_4x4_f32(const float* src, std::int64_t ld_src, float* dst, std::i
 // multiple of a tile, zero past the chunk's own): hi = bf16(d_new) and, with_lo,
 // lo = bf16(d_new - hi) (zero where hi is not finite), as [rows, 2C] row-major and transposed
 // [2C, rows] (rows 2C..c2p zero): each row converted by the dispatched kernels, then the bf16 values
-// transposed. In npu_parity d_new is already bf16 (spec 6.1 step 7), so hi is exact and lo is not
-// needed; there the blocks wrote hi themselves (dnew null): only the transpose.
+// transposed. Where the blocks wrote the parts themselves (dnew null: npu_parity's hi, whose values
+// are bf16 already, spec 6.1 step 7, or precise mode's hi and lo): only the transposes.
 void split_to_bf16(const float* dnew, std::int64_t ld, std::int64_t rows, std::int64_t c2,
                    std::uint16_t* const dn[2], std::int64_t ld_dn, std::uint16_t* const dnt[2],
                    std::int64_t c2p, std::int64_t ld_t, bool with_lo, int num_threads) {
@@ -291,12 +291,13 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (std::int64_t i = 0; i < n_pad; ++i) {
       if (buf.dn_direct)
-        std::fill(buf.dn[0] + i * buf.ld_dn, buf.dn[0] + i * buf.ld_dn + 2 * C, std::uint16_t{0});
-      else
-        std::fill(buf.dnew + i * buf.ld_c2, buf.dnew + i * buf.ld_c2 + 2 * C, 0.0f);
+        for (std::uint16_t* part : buf.dn)
+          if (part) std::fill(part + i * buf.ld_dn, part + i * buf.ld_dn + 2 * C, std::uint16_t{0});
+      if (buf.dnew) std::fill(buf.dnew + i * buf.ld_c2, buf.dnew + i * buf.ld_c2 + 2 * C, 0.0f);
     }
     backward_blocks(plan, in, a, b, buf.dnew, buf.dn_direct ? buf.dn[0] : nullptr,
-                    buf.dn_direct ? buf.ld_dn : buf.ld_c2, buf.dape, parity, num_threads);
+                    buf.dn_direct ? buf.dn[1] : nullptr, buf.dn_direct ? buf.ld_dn : buf.ld_c2, buf.dape,
+                    parity, num_threads);
     laps.lap(Phase::bwd_blocks);
 
     // x rows without gradient are zeroed so that 0 * Inf/NaN in them cannot

@@ -47,8 +47,8 @@ float* cache_slot(const ForwardBlockIo& io, std::int64_t batch, std::int64_t pos
 }  // namespace
 
 void backward_blocks(const BlockPlan& plan, const BackwardBlockInputs& in, std::int64_t a, std::int64_t b,
-                     float* dnew, std::uint16_t* dnew16, std::int64_t ld_dnew, double* dape, bool npu_parity,
-                     int num_threads) {
+                     float* dnew, std::uint16_t* dnew16, std::uint16_t* dnew16_lo, std::int64_t ld_dnew,
+                     double* dape, bool npu_parity, int num_threads) {
   const Dims& dm = plan.dims;
   const std::int64_t D = dm.D, C = dm.C, r = dm.r, coff = dm.coff, cr = coff * r;
   const std::size_t first = first_batch_ending_after(plan, a);
@@ -94,7 +94,8 @@ void backward_blocks(const BlockPlan& plan, const BackwardBlockInputs& in, std::
               const std::int64_t at = (s.base + tok - a) * ld_dnew + c * D + d0;
               if (dnew16)
                 kern.slot_grad_bf16(S + j * D, K + j * D, dc, wsum, w, dnew16 + at, dnew16 + at + C,
-                                    dape + t * C + c * D + d0);
+                                    dnew16_lo ? dnew16_lo + at : nullptr,
+                                    dnew16_lo ? dnew16_lo + at + C : nullptr, dape + t * C + c * D + d0);
               else
                 kern.slot_grad(S + j * D, K + j * D, dc, wsum, w, parity, dnew + at, dnew + at + C,
                                dape + t * C + c * D + d0);

@@ -29,11 +29,13 @@ struct BackwardBlockInputs {
 // [C,2C) d_new_score) and adds the chunk's dZ rows into dape [r, C]
 // (float64); cells without gradient are not touched, so the caller zeroes
 // dnew first. npu_parity rounds dK / dZ to the io dtype (spec 6.1 step 7).
-// dnew16 instead of dnew (npu_parity with bf16 io): the cells as bf16, the
-// bits of the rounded fp32 values (dnew null).
+// dnew16 instead of dnew (bf16 io on the bf16 units; dnew null): the cells
+// as bf16. npu_parity: the bits of the rounded fp32 values. Precise: the high
+// bf16 part of each fp32 value, and its low part into dnew16_lo (the same
+// layout; the caller zeroes both), the parts split_bf16 would give.
 void backward_blocks(const BlockPlan& plan, const BackwardBlockInputs& in, std::int64_t a, std::int64_t b,
-                     float* dnew, std::uint16_t* dnew16, std::int64_t ld_dnew, double* dape, bool npu_parity,
-                     int num_threads);
+                     float* dnew, std::uint16_t* dnew16, std::uint16_t* dnew16_lo, std::int64_t ld_dnew,
+                     double* dape, bool npu_parity, int num_threads);
 
 struct ForwardBlockIo {
   // Projections of global rows [proj_first, b): [rows, 2C], kv then score

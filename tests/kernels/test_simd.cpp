@@ -11,6 +11,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/numerics.hpp"
@@ -302,7 +303,7 @@ TEST_P(Simd, BlockDotAndSlotGradMatchFloat64) {
     std::vector<std::uint16_t> hk(kSlice, 0x7777), hz(kSlice, 0x7777);
     std::vector<double> ape16(kSlice, 0.25);
     k().slot_grad_bf16(b.S.data() + j * ld, b.K.data() + j * ld, dc.data(), wsum, w, hk.data(), hz.data(),
-                       ape16.data());
+                       nullptr, nullptr, ape16.data());
     for (i64 i = 0; i < w; ++i) {
       const auto u = static_cast<std::size_t>(i);
       const float sv = b.S[static_cast<std::size_t>(j * ld + i)],
@@ -313,6 +314,25 @@ TEST_P(Simd, BlockDotAndSlotGradMatchFloat64) {
       EXPECT_EQ(ape16[u], 0.25 + z);
     }
     for (i64 i = w; i < kSlice; ++i) EXPECT_EQ(hk[static_cast<std::size_t>(i)], 0x7777);
+    // Precise with bf16 io: the two parts of the fp32 values, hi = bf16(v), lo = bf16(v - hi).
+    std::vector<std::uint16_t> pk_hi(kSlice, 0x7777), pz_hi(kSlice, 0x7777), pk_lo(kSlice, 0x7777),
+        pz_lo(kSlice, 0x7777);
+    std::vector<double> ape_p(kSlice, 0.25);
+    k().slot_grad_bf16(b.S.data() + j * ld, b.K.data() + j * ld, dc.data(), wsum, w, pk_hi.data(),
+                       pz_hi.data(), pk_lo.data(), pz_lo.data(), ape_p.data());
+    for (i64 i = 0; i < w; ++i) {
+      const auto u = static_cast<std::size_t>(i);
+      for (const auto& [v, hi, lo] :
+           {std::tuple{dk[u], pk_hi[u], pk_lo[u]}, std::tuple{dz[u], pz_hi[u], pz_lo[u]}}) {
+        EXPECT_EQ(hi, float_to_bf16(v));
+        EXPECT_EQ(lo, float_to_bf16(v - bf16_to_float(float_to_bf16(v))));
+        // hi + lo holds v to 2^-16 relative (v is a normal fp32 here).
+        EXPECT_LE(std::fabs(static_cast<double>(bf16_to_float(hi)) + bf16_to_float(lo) - v),
+                  std::ldexp(std::fabs(static_cast<double>(v)), -16));
+      }
+      EXPECT_EQ(ape_p[u], ape16[u]);
+    }
+    for (i64 i = w; i < kSlice; ++i) EXPECT_EQ(pk_lo[static_cast<std::size_t>(i)], 0x7777);
   }
 }
 
@@ -346,13 +366,18 @@ TEST_P(Simd, BitwiseEqualToScalarVariant) {
       }
       std::vector<std::uint16_t> ka(kSlice), za(kSlice), ks(kSlice), zs(kSlice);
       std::vector<double> pa(kSlice, 1.0), ps(kSlice, 1.0);
-      k().slot_grad_bf16(b.S.data() + 2 * b.ld, b.K.data() + 2 * b.ld, b.sc.data(), wa, w, ka.data(),
-                         za.data(), pa.data());
-      ref.slot_grad_bf16(b.S.data() + 2 * b.ld, b.K.data() + 2 * b.ld, b.sc.data(), ws, w, ks.data(),
-                         zs.data(), ps.data());
-      ASSERT_EQ(ka, ks);
-      ASSERT_EQ(za, zs);
-      ASSERT_EQ(std::memcmp(pa.data(), ps.data(), pa.size() * sizeof(double)), 0);
+      for (const bool lo : {false, true}) {
+        std::vector<std::uint16_t> kla(kSlice), zla(kSlice), kls(kSlice), zls(kSlice);
+        k().slot_grad_bf16(b.S.data() + 2 * b.ld, b.K.data() + 2 * b.ld, b.sc.data(), wa, w, ka.data(),
+                           za.data(), lo ? kla.data() : nullptr, lo ? zla.data() : nullptr, pa.data());
+        ref.slot_grad_bf16(b.S.data() + 2 * b.ld, b.K.data() + 2 * b.ld, b.sc.data(), ws, w, ks.data(),
+                           zs.data(), lo ? kls.data() : nullptr, lo ? zls.data() : nullptr, ps.data());
+        ASSERT_EQ(ka, ks);
+        ASSERT_EQ(za, zs);
+        ASSERT_EQ(kla, kls);
+        ASSERT_EQ(zla, zls);
+        ASSERT_EQ(std::memcmp(pa.data(), ps.data(), pa.size() * sizeof(double)), 0);
+      }
     }
   }
 }

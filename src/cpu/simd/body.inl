@@ -82,24 +82,51 @@ void slot_grad(const float* S, const float* K, const float* dc, const double* ws
   slot_grad_w<0>(S, K, dc, wsum, w, parity, dk_out, dz_out, ape);
 }
 
-template <i64 kW>
+// The low part of the precise backward's two bf16 parts of v (split_bf16 below), hi = bf16(v) given:
+// bf16(v - hi), zero where hi is not finite (computed first, then selected: no branch).
+inline std::uint16_t bf16_lo(float v, std::uint16_t hi) {
+  const std::uint16_t l = f32_to_bf16(v - bf16_to_f32(hi));
+  return (hi & 0x7f80u) == 0x7f80u ? std::uint16_t{0} : l;
+}
+
+// The outputs never overlap one another or the inputs: __restrict says so, or the compiler, left to
+// check six pointers against each other at run time, keeps the precise variant scalar.
+template <bool kLo, i64 kW>
 void slot_grad_bf16_impl(const float* S, const float* K, const float* dc, const double* wsum, i64 w_rt,
-                         std::uint16_t* dk_out, std::uint16_t* dz_out, double* ape) {
+                         std::uint16_t* __restrict dk_out, std::uint16_t* __restrict dz_out,
+                         std::uint16_t* __restrict dk_lo, std::uint16_t* __restrict dz_lo,
+                         double* __restrict ape) {
   const i64 w = kW > 0 ? kW : w_rt;
   for (i64 i = 0; i < w; ++i) {
     const float sv = S[i];
     const double dz =
         static_cast<double>(sv) * static_cast<double>(dc[i]) * (static_cast<double>(K[i]) - wsum[i]);
-    dk_out[i] = f32_to_bf16(dc[i] * sv);
-    dz_out[i] = f32_to_bf16(static_cast<float>(dz));
+    const float dkf = dc[i] * sv, dzf = static_cast<float>(dz);
+    const std::uint16_t hk = f32_to_bf16(dkf), hz = f32_to_bf16(dzf);
+    dk_out[i] = hk;
+    dz_out[i] = hz;
+    if constexpr (kLo) {
+      dk_lo[i] = bf16_lo(dkf, hk);
+      dz_lo[i] = bf16_lo(dzf, hz);
+    }
     ape[i] += dz;
   }
 }
 
+template <bool kLo>
+void slot_grad_bf16_w(const float* S, const float* K, const float* dc, const double* wsum, i64 w,
+                      std::uint16_t* dk_out, std::uint16_t* dz_out, std::uint16_t* dk_lo,
+                      std::uint16_t* dz_lo, double* ape) {
+  if (w == kSlice)
+    return slot_grad_bf16_impl<kLo, kSlice>(S, K, dc, wsum, w, dk_out, dz_out, dk_lo, dz_lo, ape);
+  slot_grad_bf16_impl<kLo, 0>(S, K, dc, wsum, w, dk_out, dz_out, dk_lo, dz_lo, ape);
+}
+
 void slot_grad_bf16(const float* S, const float* K, const float* dc, const double* wsum, i64 w,
-                    std::uint16_t* dk_out, std::uint16_t* dz_out, double* ape) {
-  if (w == kSlice) return slot_grad_bf16_impl<kSlice>(S, K, dc, wsum, w, dk_out, dz_out, ape);
-  slot_grad_bf16_impl<0>(S, K, dc, wsum, w, dk_out, dz_out, ape);
+                    std::uint16_t* dk_out, std::uint16_t* dz_out, std::uint16_t* dk_lo, std::uint16_t* dz_lo,
+                    double* ape) {
+  if (dk_lo) return slot_grad_bf16_w<true>(S, K, dc, wsum, w, dk_out, dz_out, dk_lo, dz_lo, ape);
+  slot_grad_bf16_w<false>(S, K, dc, wsum, w, dk_out, dz_out, dk_lo, dz_lo, ape);
 }
 
 void from_f32(const float* src, void* dst, DType dt, i64 n) {
@@ -119,9 +146,8 @@ void from_f32(const float* src, void* dst, DType dt, i64 n) {
 void split_bf16(const float* src, std::uint16_t* hi, std::uint16_t* lo, i64 n) {
   for (i64 i = 0; i < n; ++i) {
     const std::uint16_t h = f32_to_bf16(src[i]);
-    const std::uint16_t l = f32_to_bf16(src[i] - bf16_to_f32(h));
     hi[i] = h;
-    lo[i] = (h & 0x7f80u) == 0x7f80u ? std::uint16_t{0} : l;
+    lo[i] = bf16_lo(src[i], h);
   }
 }
 

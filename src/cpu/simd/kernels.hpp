@@ -34,10 +34,12 @@ struct SimdKernels {
   // (npu_parity); ape[i] += dz.
   void (*slot_grad)(const float* S, const float* K, const float* dc, const double* wsum, std::int64_t w,
                     DType parity, float* dk_out, float* dz_out, double* ape);
-  // The same for npu_parity with bf16 io, dk and dz written as bf16: the bits slot_grad's rounded
-  // values have as bf16.
+  // The same with bf16 io on the bf16 units, dk and dz written as bf16. dk_lo and dz_lo null
+  // (npu_parity): the bits slot_grad's rounded values have as bf16. Else (precise): the two parts of
+  // the fp32 values that split_bf16 gives, hi to dk_out / dz_out and lo to dk_lo / dz_lo.
   void (*slot_grad_bf16)(const float* S, const float* K, const float* dc, const double* wsum, std::int64_t w,
-                         std::uint16_t* dk_out, std::uint16_t* dz_out, double* ape);
+                         std::uint16_t* dk_out, std::uint16_t* dz_out, std::uint16_t* dk_lo,
+                         std::uint16_t* dz_lo, double* ape);
   // Softmax over the cr rows of one block for w <= kSoftmaxChunk columns, in
   // float64. sc[j] / kv[j]: the rows (already offset to the chunk), nullptr
   // for a placeholder row (weight exactly 0). Writes softmax_score / kv rows
