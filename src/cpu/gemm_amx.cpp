@@ -143,10 +143,42 @@ void amx_pack_b(std::int64_t N, std::int64_t K, const std::uint16_t* b, std::int
                 void* packed, std::int64_t g0, std::int64_t g1) {
   const std::int64_t steps = steps_of(K), pairs = steps * kStepK / 2;
   auto* out = static_cast<std::uint32_t*>(packed);
+  if (!b_transposed) {
+    // b[k * ldb + n]: each row's columns contiguous. Step by step (32 rows of K), every group of the
+    // slice: the 32 rows are read along their length, 32 runs at a time (a walk down one group's 16
+    // columns touched a new page per row: rows 8 KiB apart for H = 4096), and each group's step tile
+    // (1 KiB) is written whole. A whole pair-row of a whole group: the two rows' 16 values
+    // interleaved by one permute.
+    // Word 2j of a pair-row from the first row's j, word 2j + 1 from the second's (index 32 + j).
+    const __m512i interleave = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                                39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    for (std::int64_t st = 0; st < steps; ++st)
+      for (std::int64_t g = g0; g < g1; ++g) {
+        std::uint32_t* tile = out + (g * steps + st) * (kStepBytes / 4);  // [16 pairs][16 columns]
+        const std::int64_t n0 = g * kGroupCols, cols = std::min(kGroupCols, N - n0);
+        for (std::int64_t q = 0; q < kStepK / 2; ++q) {
+          const std::int64_t k = st * kStepK + 2 * q;
+          const std::uint16_t* r0 = k < K ? b + k * ldb + n0 : nullptr;
+          const std::uint16_t* r1 = k + 1 < K ? b + (k + 1) * ldb + n0 : nullptr;
+          std::uint32_t* dst = tile + q * kGroupCols;
+          if (r1 && cols == kGroupCols) {
+            const __m512i lo = _mm512_maskz_loadu_epi16(0xFFFF, r0);
+            const __m512i hi = _mm512_maskz_loadu_epi16(0xFFFF, r1);
+            _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(lo, interleave, hi));
+          } else {
+            for (std::int64_t j = 0; j < kGroupCols; ++j) {
+              const std::uint32_t l = r0 && j < cols ? r0[j] : 0u, h = r1 && j < cols ? r1[j] : 0u;
+              dst[j] = l | (h << 16);
+            }
+          }
+        }
+      }
+    return;
+  }
   for (std::int64_t g = g0; g < g1; ++g) {
     std::uint32_t* grp = out + g * steps * (kStepBytes / 4);  // [pairs][16] of this group
     const std::int64_t n0 = g * kGroupCols, cols = std::min(kGroupCols, N - n0);
-    if (b_transposed && cols == kGroupCols && ldb <= (std::int64_t{1} << 26)) {
+    if (cols == kGroupCols && ldb <= (std::int64_t{1} << 26)) {
       // b[n * ldb + k], a whole group: each pair-row gathers one pair (4 bytes) from each of the 16
       // columns; a last odd k, and the padding, as below.
       const __m512i offsets =
@@ -161,29 +193,13 @@ void amx_pack_b(std::int64_t N, std::int64_t K, const std::uint16_t* b, std::int
       for (std::int64_t p = whole; p < pairs; ++p)
         for (std::int64_t j = 0; j < kGroupCols; ++j)
           grp[p * kGroupCols + j] = 2 * p < K ? base[j * ldb + 2 * p] : 0u;
-    } else if (b_transposed) {  // b[n * ldb + k]: each column's K contiguous
+    } else {  // b[n * ldb + k]: each column's K contiguous
       for (std::int64_t j = 0; j < kGroupCols; ++j) {
         const std::uint16_t* col = j < cols ? b + (n0 + j) * ldb : nullptr;
         for (std::int64_t p = 0; p < pairs; ++p) {
           const std::int64_t k = 2 * p;
           const std::uint32_t lo = col && k < K ? col[k] : 0u, hi = col && k + 1 < K ? col[k + 1] : 0u;
           grp[p * kGroupCols + j] = lo | (hi << 16);
-        }
-      }
-    } else {  // b[k * ldb + n]: each row's columns contiguous
-      for (std::int64_t p = 0; p < pairs; ++p) {
-        const std::int64_t k = 2 * p;
-        const std::uint16_t* r0 = k < K ? b + k * ldb + n0 : nullptr;
-        const std::uint16_t* r1 = k + 1 < K ? b + (k + 1) * ldb + n0 : nullptr;
-        std::uint32_t* dst = grp + p * kGroupCols;
-        if (r1 && cols == kGroupCols) {
-          for (std::int64_t j = 0; j < kGroupCols; ++j)
-            dst[j] = static_cast<std::uint32_t>(r0[j]) | (static_cast<std::uint32_t>(r1[j]) << 16);
-        } else {
-          for (std::int64_t j = 0; j < kGroupCols; ++j) {
-            const std::uint32_t lo = r0 && j < cols ? r0[j] : 0u, hi = r1 && j < cols ? r1[j] : 0u;
-            dst[j] = lo | (hi << 16);
-          }
         }
       }
     }
