@@ -351,16 +351,26 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
             gemm_bf16(buf.dx_io_shape(d), whole_tiles, buf.dn[0], {{{b_w, dx_rows}}}, false, num_threads);
         io_rows = dx_to_io ? whole_tiles : 0;
       }
-      for (int part = 0; part < parts && io_rows < n_pad; ++part)
-        if (!gemm_bf16(dx, n_pad - io_rows, buf.dn[part] + io_rows * buf.ld_dn,
-                       {{{b_w, buf.dxf + io_rows * buf.ld_h}}}, part > 0, num_threads))
-          return {StatusCode::runtime_error, "[kvcomp] oneDNN bf16 matmul for d_x failed"};
+      // Precise: hi and lo as one product of twice the K where the AMX kernel runs (gemm_bf16_two_parts).
+      const Bf16Target dx_target{b_w, buf.dxf + io_rows * buf.ld_h};
+      const std::int64_t dx_rows_left = n_pad - io_rows;
+      const std::uint16_t* dx_hi = buf.dn[0] + io_rows * buf.ld_dn;
+      const bool dx_ok =
+          io_rows >= n_pad ||
+          (parts == 2 ? gemm_bf16_two_parts(dx, dx_rows_left, dx_hi, buf.dn[1] + io_rows * buf.ld_dn,
+                                            {&dx_target, 1}, false, num_threads)
+                      : gemm_bf16(dx, dx_rows_left, dx_hi, {&dx_target, 1}, false, num_threads));
+      if (!dx_ok) return {StatusCode::runtime_error, "[kvcomp] oneDNN bf16 matmul for d_x failed"};
       laps.lap(Phase::bwd_dx);
-      // [d_wkv ; d_wgate] += dnt . x, hi then lo.
-      for (int part = 0; part < parts; ++part)
-        if (!gemm_bf16(dw, buf.c2p, buf.dnt[part], {{{buf.packed_x ? buf.packed_x : xb, buf.dwcat}}},
-                       dw_written || part > 0, num_threads))
-          return {StatusCode::runtime_error, "[kvcomp] oneDNN bf16 matmul for d_wkv/d_wgate failed"};
+      // [d_wkv ; d_wgate] += dnt . x, hi and lo likewise.
+      const Bf16Target dw_target{buf.packed_x ? buf.packed_x : xb, buf.dwcat};
+      const bool dw_ok =
+          parts == 2
+              ? gemm_bf16_two_parts(dw, buf.c2p, buf.dnt[0], buf.dnt[1], {&dw_target, 1}, dw_written,
+                                    num_threads)
+              : gemm_bf16(dw, buf.c2p, buf.dnt[0], {&dw_target, 1}, dw_written, num_threads);
+      if (!dw_ok)
+        return {StatusCode::runtime_error, "[kvcomp] oneDNN bf16 matmul for d_wkv/d_wgate failed"};
       laps.lap(Phase::bwd_dw);
     } else {
 #pragma omp parallel for num_threads(num_threads) schedule(static)

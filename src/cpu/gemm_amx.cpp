@@ -208,9 +208,10 @@ void amx_pack_b(std::int64_t N, std::int64_t K, const std::uint16_t* b, std::int
 
 void amx_gemm_block(std::int64_t M, std::int64_t N, std::int64_t K, const std::uint16_t* a, std::int64_t lda,
                     const void* packed, void* c, std::int64_t ldc, AmxStore store, std::int64_t g0,
-                    std::int64_t g1) {
+                    std::int64_t g1, const std::uint16_t* a2) {
   if (M <= 0 || g0 >= g1) return;
-  const std::int64_t steps = steps_of(K);
+  const std::int64_t steps = steps_of(K), chunks = (steps + kChunkSteps - 1) / kChunkSteps;
+  const std::int64_t parts = a2 ? 2 : 1;
   const std::int64_t c_size = store == AmxStore::bf16 ? 2 : 4;
   const char* bp = static_cast<const char*>(packed);
   // A K chunk of the row block's rows, copied step by step into 64-byte rows (16 KiB: it stays in L1
@@ -232,12 +233,15 @@ void amx_gemm_block(std::int64_t M, std::int64_t N, std::int64_t K, const std::u
         cfg_r0 = r0;
         cfg_r1 = r1;
       }
-      for (std::int64_t k0 = 0; k0 < steps; k0 += kChunkSteps) {
+      // The K chunks of A, then (a2) those of A2 on the same B, one chain of sums.
+      for (std::int64_t c0 = 0; c0 < parts * chunks; ++c0) {
+        const std::int64_t k0 = c0 % chunks * kChunkSteps;
+        const std::uint16_t* a_part = c0 < chunks ? a : a2;
         const std::int64_t n = std::min(kChunkSteps, steps - k0);
         for (std::int64_t i = 0; i < n; ++i) {
           const std::int64_t k = (k0 + i) * kStepK, len = std::min(kStepK, K - k);
           std::uint16_t* dst = chunk + i * 32 * kStepK;
-          const std::uint16_t* src = a + m * lda + k;
+          const std::uint16_t* src = a_part + m * lda + k;
           if (len == kStepK) {  // one 64-byte load and store per row
             for (int r = 0; r < rows; ++r)
               _mm512_store_si512(dst + r * kStepK, _mm512_loadu_si512(src + r * lda));
@@ -247,7 +251,7 @@ void amx_gemm_block(std::int64_t M, std::int64_t N, std::int64_t K, const std::u
               _mm512_store_si512(dst + r * kStepK, _mm512_maskz_loadu_epi16(keep, src + r * lda));
           }
         }
-        const bool first = k0 == 0, last = k0 + n == steps;
+        const bool first = c0 == 0, last = c0 == parts * chunks - 1;
         for (std::int64_t g = p0; g < p1; g += 2) {
           const bool two_cols = g + 1 < p1;
           const char* b0 = bp + g * steps * kStepBytes;

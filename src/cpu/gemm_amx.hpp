@@ -13,13 +13,14 @@
 //
 // The sums. C[m, n] = sum over k of A[m, k] * B[k, n] runs, for every
 // element, over K in steps of 32 (16 pairs; the last step zero-padded) in
-// increasing order, one TDPBF16PS per step accumulating in an fp32 tile
-// (stored and reloaded as fp32 between K chunks: no bit changes). A
-// tile's rows never mix, and which tile or thread holds an element changes
-// nothing of its sum: so a row's bits depend neither on the call's row
-// count (row stability, gemm.hpp) nor on the thread count, nor on how the
-// caller cuts rows and columns. The hardware flushes denormal inputs and
-// results to zero, as oneDNN's AMX kernels do.
+// increasing order (with a second A, its steps after A's), one TDPBF16PS
+// per step accumulating in an fp32 tile (stored and reloaded as fp32
+// between K chunks: no bit changes). A tile's rows never mix, and which
+// tile or thread holds an element changes nothing of its sum: so a row's
+// bits depend neither on the call's row count (row stability, gemm.hpp)
+// nor on the thread count, nor on how the caller cuts rows and columns.
+// The hardware flushes denormal inputs and results to zero, as oneDNN's
+// AMX kernels do.
 #pragma once
 
 #include <cstddef>
@@ -48,10 +49,12 @@ enum class AmxStore { set, add, bf16 };
 
 // C[m, n] for rows [0, M) and the columns of groups [g0, g1): A bf16 row-major (row stride lda), B
 // packed by amx_pack_b, C row-major (row stride ldc; float, or std::uint16_t for AmxStore::bf16).
-// Single-threaded, on the calling thread (about 82 KiB of its stack: A's chunk, the sums between
-// chunks, one tile for the stores); needs amx_tiles_usable().
+// `a2` (optional, same shape and stride): C = A . B + A2 . B as one product of twice the K, A's steps
+// and then A2's on the same packed B in one chain of fp32 sums (the precise backward's hi and lo parts:
+// one pass over C instead of two). Single-threaded, on the calling thread (about 82 KiB of its stack:
+// A's chunk, the sums between chunks, one tile for the stores); needs amx_tiles_usable().
 void amx_gemm_block(std::int64_t M, std::int64_t N, std::int64_t K, const std::uint16_t* a, std::int64_t lda,
                     const void* packed, void* c, std::int64_t ldc, AmxStore store, std::int64_t g0,
-                    std::int64_t g1);
+                    std::int64_t g1, const std::uint16_t* a2 = nullptr);
 
 }  // namespace kvcomp::detail

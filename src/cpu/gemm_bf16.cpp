@@ -215,8 +215,10 @@ std::int64_t amx_groups(std::int64_t N) { return (N + 15) / 16; }
 // per thread where there are rows enough), else the columns in blocks of whole group pairs, so that
 // every thread has a share; a block is one single-threaded amx_gemm_block. Which block or thread
 // computes an element does not change its sum (gemm_amx.hpp).
+// `a2` (optional): C (+)= A . B + A2 . B, one chain of sums (amx_gemm_block).
 void amx_products(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
-                  std::span<const Bf16Target> targets, bool accumulate, int num_threads) {
+                  std::span<const Bf16Target> targets, bool accumulate, int num_threads,
+                  const std::uint16_t* a2 = nullptr) {
   const AmxStore store = s.c_bf16 ? AmxStore::bf16 : accumulate ? AmxStore::add : AmxStore::set;
   const auto n_targets = static_cast<std::int64_t>(targets.size());
   const std::int64_t threads = std::max(num_threads, 1), groups = amx_groups(s.N);
@@ -238,7 +240,7 @@ void amx_products(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
     if (m <= 0 || g0 >= groups) continue;
     amx_gemm_block(m, s.N, s.K, a + r0 * s.lda, s.lda, x.b,
                    static_cast<unsigned char*>(x.c) + r0 * s.ldc * c_size, s.ldc, store, g0,
-                   std::min(groups, g0 + cols));
+                   std::min(groups, g0 + cols), a2 ? a2 + r0 * s.lda : nullptr);
   }
 }
 
@@ -606,6 +608,18 @@ bool probed_once(std::mutex& mu, std::map<ProbeKey, bool>& verdicts, const Probe
 }
 
 }  // namespace
+
+bool gemm_bf16_two_parts(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a, const std::uint16_t* a2,
+                         std::span<const Bf16Target> targets, bool accumulate, int num_threads) {
+  if (M <= 0 || s.N <= 0 || targets.empty()) return true;
+  if (s.c_bf16) return false;
+  if (amx_own()) {
+    amx_products(s, M, a, targets, accumulate, num_threads, a2);
+    return true;
+  }
+  return gemm_bf16(s, M, a, targets, accumulate, num_threads) &&
+         gemm_bf16(s, M, a2, targets, true, num_threads);
+}
 
 bool bf16_c_rounds_like_f32(const Bf16Shape& s) {
   if (!s.c_bf16 || !bf16_product_kernel()) return false;

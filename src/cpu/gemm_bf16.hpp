@@ -14,7 +14,8 @@
 //   arithmetic;
 // - backward, precise: d_new is split into a high and a low bf16 part
 //   (d_new = hi + lo to about 2^-17 relative), two products accumulated in
-//   fp32.
+//   fp32 (on kvcomp's AMX kernel one product of twice the K:
+//   gemm_bf16_two_parts).
 //
 // Determinism and row stability as gemm.hpp: the caller pads M to a multiple
 // of kBf16TileRows with zero rows; the output is cut into tiles of
@@ -155,6 +156,13 @@ struct Bf16Target {
 // oneDNN failed.
 bool gemm_bf16(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
                std::span<const Bf16Target> targets, bool accumulate, int num_threads);
+
+// C (+)= A . B + A2 . B (fp32 C; A2 of A's shape and stride): the precise backward's hi and lo parts of
+// d_new on the same B. On kvcomp's AMX kernel one product of twice the K (A's steps, then A2's, in one
+// chain of fp32 sums: one pass over C); elsewhere gemm_bf16 on A, then accumulating A2's product (M
+// as gemm_bf16 takes it). False if oneDNN failed.
+bool gemm_bf16_two_parts(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a, const std::uint16_t* a2,
+                         std::span<const Bf16Target> targets, bool accumulate, int num_threads);
 
 // Whether gemm_bf16 may run this c_bf16 shape: where oneDNN's bf16-C tile gives each element the bits
 // of its fp32 twin's sum narrowed to bf16 (nearest even), so that a row's bits do not depend on which

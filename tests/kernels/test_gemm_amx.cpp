@@ -1,7 +1,8 @@
 // kvcomp's AMX product kernel (src/cpu/gemm_amx.hpp), single-threaded as gemm_bf16 runs each block:
 // against the float64 sums, row and column stability (an element's bits do not depend on the rows or
-// column groups of its call), the three ways of storing C, the packing of B in slices, strides and the
-// tails of M, N and K. Where the CPU or the OS gives no AMX tiles it reports itself skipped.
+// column groups of its call), the three ways of storing C, a second A on the same B, the packing of B
+// in slices, strides and the tails of M, N and K. Where the CPU or the OS gives no AMX tiles it
+// reports itself skipped.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -142,6 +143,42 @@ TEST_P(GemmAmx, PackingInSlicesIsThePackingWhole) {
     amx_pack_b(o.s.N, o.s.K, o.b.data(), o.ldb, o.s.b_transposed, sliced.data(), g,
                std::min(o.groups(), g + 2));
   EXPECT_EQ(sliced, o.packed);
+}
+
+// A second A on the same B (the precise backward's hi and lo parts): the bits of one product of A and
+// A2 side by side, each zero-padded to whole steps of 32, against B stacked twice likewise; setting C
+// and adding to it.
+TEST_P(GemmAmx, SecondAIsTheProductOfBothSideBySide) {
+  const Operands o(GetParam(), 6), o2(GetParam(), 7);  // o2's A is A2 (same shape and stride)
+  const i64 M = o.s.M, N = o.s.N, K = o.s.K, kp = (K + 31) / 32 * 32, k2 = 2 * kp;
+  std::vector<u16> acat(static_cast<std::size_t>(M * k2), 0), bcat(static_cast<std::size_t>(k2 * N), 0);
+  for (i64 m = 0; m < M; ++m)
+    for (i64 k = 0; k < K; ++k) {
+      acat[static_cast<std::size_t>(m * k2 + k)] = o.a[static_cast<std::size_t>(m * o.lda + k)];
+      acat[static_cast<std::size_t>(m * k2 + kp + k)] = o2.a[static_cast<std::size_t>(m * o.lda + k)];
+    }
+  for (i64 k = 0; k < K; ++k)
+    for (i64 n = 0; n < N; ++n) {
+      const u16 v = o.b[static_cast<std::size_t>(o.b_index(k, n))];
+      bcat[static_cast<std::size_t>(k * N + n)] = bcat[static_cast<std::size_t>((kp + k) * N + n)] = v;
+    }
+  std::vector<unsigned char> pcat(amx_packed_bytes(N, k2));
+  amx_pack_b(N, k2, bcat.data(), N, false, pcat.data(), 0, o.groups());
+  for (const AmxStore store : {AmxStore::set, AmxStore::add}) {
+    std::vector<float> start(static_cast<std::size_t>(M * o.ldc));
+    std::mt19937 rng(8);
+    for (float& v : start) v = bf16_to_f32(random_bf16(rng));
+    std::vector<float> two = start, cat = start;
+    amx_gemm_block(M, N, K, o.a.data(), o.lda, o.packed.data(), two.data(), o.ldc, store, 0, o.groups(),
+                   o2.a.data());
+    amx_gemm_block(M, N, k2, acat.data(), k2, pcat.data(), cat.data(), o.ldc, store, 0, o.groups());
+    EXPECT_EQ(0, std::memcmp(two.data(), cat.data(), two.size() * sizeof(float)))
+        << (store == AmxStore::set ? "set" : "add");
+    // And not A's product alone: A2 counts.
+    std::vector<float> one = start;
+    o.run(0, M, 0, o.groups(), one.data(), store);
+    EXPECT_NE(0, std::memcmp(two.data(), one.data(), two.size() * sizeof(float)));
+  }
 }
 
 // Tails of every kind: M not a multiple of 16 or 32, N of 16, K of 32 or odd; a call of one row and
