@@ -11,7 +11,6 @@
 #include "cpu/gemm.hpp"
 #include "cpu/gemm_bf16.hpp"
 #include "cpu/phase_clock.hpp"
-#include "cpu/simd/kernels.hpp"
 
 namespace kvcomp::detail {
 
@@ -24,17 +23,15 @@ struct BackwardBuffers {
   float* wcat = nullptr;              // [2C, ld_h]: wkv rows then wgate rows, fp32 (fp32 products)
   float* dwcat;                       // [2C (bf16: padded to a tile), ld_h]: d_wkv then d_wgate rows, fp32
   float* xf = nullptr;  // [R, ld_h]: the chunk's x rows in fp32, rows without gradient zeroed (fp32 products)
-  float* dnew = nullptr;  // [Rp, ld_c2]: d_new_kv | d_new_score (fp32 products only: null where dn_direct)
+  float* dnew = nullptr;  // [Rp, ld_c2]: d_new_kv | d_new_score (fp32 products only)
   float* dnew_t = nullptr;  // [2C, ld_r]: its transpose (oneDNN's transposed-A path runs at half speed)
   float* dxf;               // [Rp, ld_h]: d_x of the chunk before narrowing
   double* dape;             // [r, C]
   // bf16 products (gemm_bf16.hpp), when the io dtype is bf16 and the CPU has bf16 units. d_new in
-  // bf16 as a high part and, in precise mode, a low part (d_new - hi, rounded): both as the d_x
-  // product's A [Rp, ld_dn] and, transposed, as the weight-gradient product's A [2Cp, ld_t].
+  // bf16 as a high part and, in precise mode, a low part (d_new - hi, rounded), which the blocks
+  // write themselves (no fp32 rows): both as the d_x product's A [Rp, ld_dn] and, transposed, as the
+  // weight-gradient product's A [2Cp, ld_t].
   bool bf16 = false;
-  // On the bf16 units the blocks write d_new as bf16 straight into dn[0] (npu_parity: its values are
-  // bf16 already) or as its two parts into dn[0] and dn[1] (precise): no fp32 rows.
-  bool dn_direct = false;
   bool ok = true;
   std::int64_t ld_dn = 0, ld_t = 0, c2p = 0;  // c2p: 2C padded to a tile
   std::uint16_t* dn[2] = {nullptr, nullptr};
@@ -70,7 +67,6 @@ struct BackwardBuffers {
       const Bf16Plan w = bf16_plan(dx_shape(d)), x = bf16_plan(dw_shape(d, bf16_padded_rows(R)));
       packed_x_bytes = x.packed_bytes;
       bf16 = true;
-      dn_direct = true;
       ok = w.ok && x.ok;  // oneDNN could not make the products (out of memory)
       wcat16 = ws.take<std::uint16_t>(2 * d.C * d.H);
       if (w.packed_bytes > 0) packed_w = ws.take<unsigned char>(static_cast<std::int64_t>(w.packed_bytes));
@@ -88,7 +84,7 @@ struct BackwardBuffers {
       dnew_t = ws.take<float>(2 * d.C * ld_r);
     }
     dwcat = ws.take<float>((bf16 ? c2p : 2 * d.C) * ld_h);
-    if (!dn_direct) dnew = ws.take<float>(Rp * ld_c2);
+    if (!bf16) dnew = ws.take<float>(Rp * ld_c2);
     dxf = ws.take<float>(Rp * ld_h);
     dape = ws.take<double>(d.r * d.C);
     size = ws.size();
@@ -155,27 +151,12 @@ void transpose_4x4_f32(const float* src, std::int64_t ld_src, float* dst, std::i
   _mm_storeu_ps(dst + 3 * ld_dst, _mm_movehl_ps(t3, t1));
 }
 
-// The bf16 operands of the backward's products from the fp32 d_new rows [0, rows) (rows a
-// multiple of a tile, zero past the chunk's own): hi = bf16(d_new) and, with_lo,
-// lo = bf16(d_new - hi) (zero where hi is not finite), as [rows, 2C] row-major and transposed
-// [2C, rows] (rows 2C..c2p zero): each row converted by the dispatched kernels, then the bf16 values
-// transposed. Where the blocks wrote the parts themselves (dnew null: npu_parity's hi, whose values
-// are bf16 already, spec 6.1 step 7, or precise mode's hi and lo): only the transposes.
-void split_to_bf16(const float* dnew, std::int64_t ld, std::int64_t rows, std::int64_t c2,
-                   std::uint16_t* const dn[2], std::int64_t ld_dn, std::uint16_t* const dnt[2],
-                   std::int64_t c2p, std::int64_t ld_t, bool with_lo, int num_threads) {
-  const int parts = with_lo ? 2 : 1;
-  if (dnew) {
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (std::int64_t i = 0; i < rows; ++i) {
-      const float* v = dnew + i * ld;
-      std::uint16_t* hi = dn[0] + i * ld_dn;
-      if (with_lo)
-        simd_kernels().split_bf16(v, hi, dn[1] + i * ld_dn, c2);
-      else
-        from_f32(v, hi, DType::bf16, c2);
-    }
-  }
+// The weight-gradient product's A from the bf16 d_new parts the blocks wrote (dn[part], rows [0, rows),
+// a multiple of a tile, zero past the chunk's own): each part transposed as 16-bit values to
+// [2C, rows] (rows 2C..c2p zero).
+void transpose_parts(std::int64_t rows, std::int64_t c2, std::uint16_t* const dn[2], std::int64_t ld_dn,
+                     std::uint16_t* const dnt[2], std::int64_t c2p, std::int64_t ld_t, int parts,
+                     int num_threads) {
   for (int part = 0; part < parts; ++part) {
     transpose_blocks<8>(dn[part], rows, c2, ld_dn, dnt[part], ld_t, num_threads, transpose_8x8_u16);
     for (std::int64_t c = c2; c < c2p; ++c)
@@ -290,14 +271,13 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
     const std::int64_t n_pad = buf.bf16 ? bf16_padded_rows(n) : gemm_padded_rows(n, false);
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (std::int64_t i = 0; i < n_pad; ++i) {
-      if (buf.dn_direct)
+      if (buf.bf16)
         for (std::uint16_t* part : buf.dn)
           if (part) std::fill(part + i * buf.ld_dn, part + i * buf.ld_dn + 2 * C, std::uint16_t{0});
       if (buf.dnew) std::fill(buf.dnew + i * buf.ld_c2, buf.dnew + i * buf.ld_c2 + 2 * C, 0.0f);
     }
-    backward_blocks(plan, in, a, b, buf.dnew, buf.dn_direct ? buf.dn[0] : nullptr,
-                    buf.dn_direct ? buf.dn[1] : nullptr, buf.dn_direct ? buf.ld_dn : buf.ld_c2, buf.dape,
-                    parity, num_threads);
+    backward_blocks(plan, in, a, b, buf.dnew, buf.dn[0], buf.dn[1], buf.bf16 ? buf.ld_dn : buf.ld_c2,
+                    buf.dape, parity, num_threads);
     laps.lap(Phase::bwd_blocks);
 
     // x rows without gradient are zeroed so that 0 * Inf/NaN in them cannot
@@ -332,10 +312,9 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
       if (!bf16_pack_b(dw, &job, 1, num_threads))
         return {StatusCode::runtime_error, "[kvcomp] oneDNN reorder of x failed"};
       laps.lap(Phase::bwd_x);
-      // hi (and lo in precise mode) of d_new, row-major and transposed.
+      // hi (and lo in precise mode) of d_new, transposed.
       const int parts = parity ? 1 : 2;
-      split_to_bf16(buf.dnew, buf.ld_c2, n_pad, 2 * C, buf.dn, buf.ld_dn, buf.dnt, buf.c2p, buf.ld_t,
-                    parts == 2, num_threads);
+      transpose_parts(n_pad, 2 * C, buf.dn, buf.ld_dn, buf.dnt, buf.c2p, buf.ld_t, parts, num_threads);
       laps.lap(Phase::bwd_split);
       // d_x rows = sum over parts of [dn_kv | dn_score] . [wkv ; wgate], hi then lo.
       const Bf16Shape dx = buf.dx_shape(d);

@@ -25,7 +25,6 @@ constexpr std::int64_t kMinPanelGroups = 8, kMaxPanelGroups = 32;
 constexpr std::int64_t kChunkSteps = 8;    // K steps of A copied at a time (256 K: 16 KiB for 32 rows)
 
 std::int64_t steps_of(std::int64_t K) { return (K + kStepK - 1) / kStepK; }
-std::int64_t groups_of(std::int64_t N) { return (N + kGroupCols - 1) / kGroupCols; }
 
 // The tile configuration (palette 1) as LDTILECFG reads it.
 struct alignas(64) TileConfig {
@@ -136,7 +135,7 @@ bool amx_tiles_usable() {
 }
 
 std::size_t amx_packed_bytes(std::int64_t N, std::int64_t K) {
-  return static_cast<std::size_t>(groups_of(N) * steps_of(K) * kStepBytes);
+  return static_cast<std::size_t>(amx_groups(N) * steps_of(K) * kStepBytes);
 }
 
 void amx_pack_b(std::int64_t N, std::int64_t K, const std::uint16_t* b, std::int64_t ldb, bool b_transposed,

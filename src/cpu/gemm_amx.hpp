@@ -33,6 +33,9 @@ namespace kvcomp::detail {
 // once here).
 bool amx_tiles_usable();
 
+// Column groups of B as the kernel packs and runs them: 16 columns each, the last zero-padded.
+inline std::int64_t amx_groups(std::int64_t N) { return (N + 15) / 16; }
+
 // Bytes of B packed for the kernel: its columns in groups of 16 (the last zero-padded), each group's
 // K in steps of 32 (zero-padded), a step 16 pair-rows x 16 columns of two bf16: 1 KiB.
 std::size_t amx_packed_bytes(std::int64_t N, std::int64_t K);

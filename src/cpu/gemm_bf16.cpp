@@ -208,9 +208,6 @@ bool amx_own() {
   return yes;
 }
 
-// Column groups of the AMX kernel (16 columns each).
-std::int64_t amx_groups(std::int64_t N) { return (N + 15) / 16; }
-
 // C (+)= A . B for each target on kvcomp's AMX kernel: the rows in blocks (multiples of 32, about one
 // per thread where there are rows enough), else the columns in blocks of whole group pairs, so that
 // every thread has a share; a block is one single-threaded amx_gemm_block. Which block or thread

@@ -53,7 +53,9 @@ struct SimdKernels {
   void (*to_f32)(const void* src, DType dt, float* dst, std::int64_t n);
   void (*from_f32)(const float* src, void* dst, DType dt, std::int64_t n);
   // The precise backward's two bf16 parts of fp32 values (gemm_bf16.hpp): hi = bf16(v) and
-  // lo = bf16(v - hi), lo zero where hi is not finite (exponent bits all ones), n elements.
+  // lo = bf16(v - hi), lo zero where hi is not finite (exponent bits all ones), n elements. The
+  // backward's blocks write these parts themselves (slot_grad_bf16, through the same per-element
+  // steps); this array form is their definition, tested on special values (tests/kernels).
   void (*split_bf16)(const float* src, std::uint16_t* hi, std::uint16_t* lo, std::int64_t n);
 };
 
