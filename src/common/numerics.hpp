@@ -133,41 +133,49 @@ KVCOMP_HD double fma_d(double a, double b, double c) {
 #endif
 }
 
-// x = k ln2 + r with |r| <= ln2/2 (Cody-Waite, ln2 split so k * kLn2Hi is
-// exact), e^r by its Taylor series to r^13 (truncation < 2e-16 relative) in
-// Horner form, one fma per term (half the operations of a multiply and an
-// add, and one rounding instead of two), 2^k put into the exponent field.
-// Within 1 ulp of exp (tests/kernels, ExpNonpositive); exp(-inf) = 0, NaN
-// stays NaN; results below 2^-1022 flush to 0 (they are < 1e-307 of the
-// block's largest weight, which is 1).
+// The constants of exp_nonpositive, named for the vector kernels that repeat its steps (cpu/simd/body.inl).
+// Adding kExpShifter (1.5 * 2^52 + 1023) to x log2(e) rounds it to an integer k and leaves k + 1023, the
+// biased exponent of 2^k, in the low bits of the sum. ln2 in two parts: kExpLn2Hi has 33 significant
+// bits, so k * kExpLn2Hi is exact. kExpG0..9: the polynomial g below. Scalars, not an array: nvcc lets
+// device code read a host constexpr only where it is a scalar.
+inline constexpr double kExpLog2e = 0x1.71547652b82fep+0;
+inline constexpr double kExpShifter = 0x1.8p52 + 1023.0;
+inline constexpr double kExpLn2Hi = 0x1.62e42fee00000p-1;
+inline constexpr double kExpLn2Lo = 0x1.a39ef35793c76p-33;
+inline constexpr double kExpLowest = -708.0;  // below it the result flushes to 0
+inline constexpr double kExpG0 = 0x1.0000000000001p-1, kExpG1 = 0x1.5555555555556p-3;
+inline constexpr double kExpG2 = 0x1.5555555553d4fp-5, kExpG3 = 0x1.11111111109adp-7;
+inline constexpr double kExpG4 = 0x1.6c16c17893833p-10, kExpG5 = 0x1.a01a01a7c8d47p-13;
+inline constexpr double kExpG6 = 0x1.a019b8ef67c6cp-16, kExpG7 = 0x1.71de0d9c145d0p-19;
+inline constexpr double kExpG8 = 0x1.2891a8c1d838dp-22, kExpG9 = 0x1.af38d53857513p-26;
+
+// x = k ln2 + r with |r| <= ln2/2 (Cody-Waite; each part of k ln2 taken off by one fma, the first
+// exactly), e^r = 1 + r + r^2 g(r) with g of degree 9, fitted to (e^r - 1 - r) / r^2 on |r| <= ln2/2
+// (a Chebyshev fit: relative error < 2e-17 with its coefficients rounded to double), in Horner form, one
+// fma per term (half the operations of a multiply and an add, and one rounding instead of two), times
+// 2^k built in the exponent field. Within 1 ulp of exp (tests/kernels, ExpNonpositive); exp(-inf) = 0,
+// NaN stays NaN; results below 2^-1022 flush to 0 (they are < 1e-307 of the block's largest weight,
+// which is 1).
 KVCOMP_HD double exp_nonpositive(double x) {
-  constexpr double kLog2e = 1.4426950408889634;
-  constexpr double kLn2Hi = 6.93147180369123816490e-01;  // 33 significant bits
-  constexpr double kLn2Lo = 1.90821492927058770002e-10;
-  constexpr double kShifter = 6755399441055744.0;  // 1.5 * 2^52: adding it rounds to an integer
-  const double xc = x < -708.0 ? -708.0 : x;       // keeps 2^k normal; NaN passes through the compare as NaN
-  const double t = xc * kLog2e + kShifter;
-  const double k = t - kShifter;
-  const double r = (xc - k * kLn2Hi) - k * kLn2Lo;
-  double p = 1.0 / 6227020800.0;  // 1/13!
-  p = fma_d(p, r, 1.0 / 479001600.0);
-  p = fma_d(p, r, 1.0 / 39916800.0);
-  p = fma_d(p, r, 1.0 / 3628800.0);
-  p = fma_d(p, r, 1.0 / 362880.0);
-  p = fma_d(p, r, 1.0 / 40320.0);
-  p = fma_d(p, r, 1.0 / 5040.0);
-  p = fma_d(p, r, 1.0 / 720.0);
-  p = fma_d(p, r, 1.0 / 120.0);
-  p = fma_d(p, r, 1.0 / 24.0);
-  p = fma_d(p, r, 1.0 / 6.0);
-  p = fma_d(p, r, 0.5);
+  const double t = fma_d(x, kExpLog2e, kExpShifter);
+  const double k = t - kExpShifter;
+  const double r = fma_d(k, -kExpLn2Lo, fma_d(k, -kExpLn2Hi, x));  // -k would flip a NaN's sign
+  double p = fma_d(kExpG9, r, kExpG8);
+  p = fma_d(p, r, kExpG7);
+  p = fma_d(p, r, kExpG6);
+  p = fma_d(p, r, kExpG5);
+  p = fma_d(p, r, kExpG4);
+  p = fma_d(p, r, kExpG3);
+  p = fma_d(p, r, kExpG2);
+  p = fma_d(p, r, kExpG1);
+  p = fma_d(p, r, kExpG0);
   p = fma_d(p, r, 1.0);
   p = fma_d(p, r, 1.0);
-  // The low bits of t hold k as an integer (two's complement, |k| < 2^51).
-  const std::uint64_t ki = d2u(t) - d2u(kShifter);
-  const double scale = u2d((ki + 1023u) << 52);
+  // t's low bits hold k + 1023 as an integer: shifted up, the bits of 2^k (normal wherever x >= -708;
+  // below, the value is discarded).
+  const double scale = u2d(d2u(t) << 52);
   const double y = p * scale;
-  return x < -708.0 ? 0.0 : y;  // x = NaN: the compare is false, y is NaN
+  return x < kExpLowest ? 0.0 : y;  // x = NaN: the compare is false, y is NaN
 }
 
 }  // namespace

@@ -169,7 +169,7 @@ SoftmaxScratch thread_scratch(const ForwardBlockIo& io, const Dims& dm) {
   auto* bytes = static_cast<unsigned char*>(io.scratch) +
                 static_cast<std::size_t>(omp_get_thread_num()) * forward_scratch_bytes(dm);
   double* e = reinterpret_cast<double*>(bytes);
-  const float** src_kv = reinterpret_cast<const float**>(e + (cr + 1) * kSoftmaxChunk);
+  const float** src_kv = reinterpret_cast<const float**>(e + (cr + 1) * kSoftmaxPitch);
   return {e, src_kv, src_kv + cr, src_kv + 2 * cr, src_kv + 3 * cr};
 }
 
@@ -288,7 +288,7 @@ int block_phase_threads(const Dims& d, int num_threads) {
 
 std::size_t forward_scratch_bytes(const Dims& d) {
   const std::int64_t cr = d.coff * d.r;
-  const std::size_t bytes = static_cast<std::size_t>((cr + 1) * kSoftmaxChunk) * sizeof(double) +
+  const std::size_t bytes = static_cast<std::size_t>((cr + 1) * kSoftmaxPitch) * sizeof(double) +
                             4 * static_cast<std::size_t>(cr) * sizeof(const float*);
   return (bytes + 63) / 64 * 64;
 }

@@ -8,7 +8,9 @@
 // Rules that keep the three variants bitwise equal: each element sees the
 // same operations in the same order; no FMA contraction (-ffp-contract=off);
 // no libm but fma (exp_nonpositive, common/numerics.hpp, is plain arithmetic); selects
-// instead of branches.
+// instead of branches. The one exception to plain loops: the softmax's exp, which
+// the AVX2 and AVX-512 variants write in intrinsics (the compiler does not
+// vectorise its bit steps), each the same IEEE operation as the scalar code's.
 
 #ifndef KVCOMP_SIMD_NS
 #error "define KVCOMP_SIMD_NS before including body.inl"
@@ -16,6 +18,9 @@
 
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
+
+#include <immintrin.h>
 
 #include "common/numerics.hpp"
 #include "cpu/simd/kernels.hpp"
@@ -171,10 +176,87 @@ inline void prefetch_run(const float* row, i64 w) {
   for (i64 i = 0; row && i < w; i += kSlice) __builtin_prefetch(row + i);
 }
 
+// ---- the block softmax
+
+#if defined(__AVX512F__)
+// exp_nonpositive (common/numerics.hpp) on 8 lanes, step by step the same IEEE operations. vscalefpd
+// multiplies by 2^k exactly, as the exponent bits do; where they differ (x < -708) the result is 0.
+inline __m512d exp_nonpositive_v(__m512d x) {
+  const __m512d t = _mm512_fmadd_pd(x, _mm512_set1_pd(kExpLog2e), _mm512_set1_pd(kExpShifter));
+  const __m512d k = _mm512_sub_pd(t, _mm512_set1_pd(kExpShifter));
+  const __m512d r =
+      _mm512_fmadd_pd(k, _mm512_set1_pd(-kExpLn2Lo), _mm512_fmadd_pd(k, _mm512_set1_pd(-kExpLn2Hi), x));
+  __m512d p = _mm512_fmadd_pd(_mm512_set1_pd(kExpG9), r, _mm512_set1_pd(kExpG8));
+  for (const double g : {kExpG7, kExpG6, kExpG5, kExpG4, kExpG3, kExpG2, kExpG1, kExpG0, 1.0, 1.0})
+    p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(g));
+  const __mmask8 kept = _mm512_cmp_pd_mask(x, _mm512_set1_pd(kExpLowest), _CMP_NLT_UQ);  // NaN kept
+  return _mm512_maskz_scalef_pd(kept, p, k);
+}
+constexpr int kLanes = 8;
+using VecD = __m512d;
+// maskz: the plain form reads an undefined register, which gcc 12 warns of (maybe-uninitialized).
+inline VecD load_f32_as_f64(const float* s) { return _mm512_maskz_cvtps_pd(0xff, _mm256_loadu_ps(s)); }
+inline VecD vload(const double* p) { return _mm512_loadu_pd(p); }
+inline void vstore(double* p, VecD v) { _mm512_storeu_pd(p, v); }
+inline VecD vzero() { return _mm512_setzero_pd(); }
+inline VecD vadd(VecD a, VecD b) { return _mm512_add_pd(a, b); }
+inline VecD vsub(VecD a, VecD b) { return _mm512_sub_pd(a, b); }
+#elif defined(__AVX2__)
+// The same on 4 lanes, 2^k from t's bits as in exp_nonpositive.
+inline __m256d exp_nonpositive_v(__m256d x) {
+  const __m256d t = _mm256_fmadd_pd(x, _mm256_set1_pd(kExpLog2e), _mm256_set1_pd(kExpShifter));
+  const __m256d k = _mm256_sub_pd(t, _mm256_set1_pd(kExpShifter));
+  const __m256d r =
+      _mm256_fmadd_pd(k, _mm256_set1_pd(-kExpLn2Lo), _mm256_fmadd_pd(k, _mm256_set1_pd(-kExpLn2Hi), x));
+  __m256d p = _mm256_fmadd_pd(_mm256_set1_pd(kExpG9), r, _mm256_set1_pd(kExpG8));
+  for (const double g : {kExpG7, kExpG6, kExpG5, kExpG4, kExpG3, kExpG2, kExpG1, kExpG0, 1.0, 1.0})
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(g));
+  const __m256d scale = _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_castpd_si256(t), 52));
+  const __m256d under = _mm256_cmp_pd(x, _mm256_set1_pd(kExpLowest), _CMP_LT_OQ);
+  return _mm256_andnot_pd(under, _mm256_mul_pd(p, scale));
+}
+constexpr int kLanes = 4;
+using VecD = __m256d;
+inline VecD load_f32_as_f64(const float* s) { return _mm256_cvtps_pd(_mm_loadu_ps(s)); }
+inline VecD vload(const double* p) { return _mm256_loadu_pd(p); }
+inline void vstore(double* p, VecD v) { _mm256_storeu_pd(p, v); }
+inline VecD vzero() { return _mm256_setzero_pd(); }
+inline VecD vadd(VecD a, VecD b) { return _mm256_add_pd(a, b); }
+inline VecD vsub(VecD a, VecD b) { return _mm256_sub_pd(a, b); }
+#endif
+
+// One row's exponentials, e[i] = exp(s[i] - mx[i]), added to the column sums, i < w.
+inline void exp_row(const float* __restrict s, const double* __restrict mx, double* __restrict e,
+                    double* __restrict sum, i64 w) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+  const i64 nv = w / kLanes * kLanes;
+  for (i64 i = 0; i < nv; i += kLanes) {
+    const VecD v = exp_nonpositive_v(vsub(load_f32_as_f64(s + i), vload(mx + i)));
+    vstore(e + i, v);
+    vstore(sum + i, vadd(vload(sum + i), v));
+  }
+#else
+  const i64 nv = 0;
+#endif
+  for (i64 i = nv; i < w; ++i) {
+    e[i] = exp_nonpositive(static_cast<double>(s[i]) - mx[i]);
+    sum[i] += e[i];
+  }
+}
+
+// The softmax's exp on an array: the vector form exp_row uses, the scalar one for a tail.
+void exp_n(const double* x, double* y, i64 n) {
+  i64 i = 0;
+#if defined(__AVX512F__) || defined(__AVX2__)
+  for (; i + kLanes <= n; i += kLanes) vstore(y + i, exp_nonpositive_v(vload(x + i)));
+#endif
+  for (; i < n; ++i) y[i] = exp_nonpositive(x[i]);
+}
+
 template <i64 kW>
 void block_softmax_impl(const float* const* sc, const float* const* kv, i64 cr, i64 w_rt, double* e,
                         float* s_out, float* k_out, i64 ld_out, void* cmp, DType io) {
-  constexpr i64 kN = kSoftmaxChunk;
+  constexpr i64 kN = kSoftmaxChunk, kP = kSoftmaxPitch;
   const i64 w = kW > 0 ? kW : w_rt;
   // Each pass walks the rows in order and each row's columns as one run. Per column the operations
   // and their order are those of a column on its own: the maximum (in float: the largest of some
@@ -189,20 +271,19 @@ void block_softmax_impl(const float* const* sc, const float* const* kv, i64 cr, 
     if (!s) continue;
     for (i64 i = 0; i < w; ++i) mxf[i] = s[i] > mxf[i] ? s[i] : mxf[i];  // NaN never wins (as fmax)
   }
-  double* sum = e + cr * kN;  // e's last row: the sums, then the pooled row
+  double mx[kN];
+  for (i64 i = 0; i < w; ++i) mx[i] = static_cast<double>(mxf[i]);
+  double* sum = e + cr * kP;  // e's last row: the sums, then the pooled row
   for (i64 i = 0; i < w; ++i) sum[i] = 0.0;
   for (i64 j = 0; j < cr; ++j) {
-    double* ej = e + j * kN;
+    double* ej = e + j * kP;
     prefetch_run(kv[j], w);  // read by the last pass; the exponentials hide the misses
     const float* s = sc[j];
     if (!s) {
       for (i64 i = 0; i < w; ++i) ej[i] = 0.0;
       continue;
     }
-    for (i64 i = 0; i < w; ++i) {
-      ej[i] = exp_nonpositive(static_cast<double>(s[i]) - static_cast<double>(mxf[i]));
-      sum[i] += ej[i];
-    }
+    exp_row(s, mx, ej, sum, w);
   }
   // One division per column, then products: within 1 ulp of e / sum in
   // float64, far below the fp32 the weights are stored in.
@@ -211,7 +292,7 @@ void block_softmax_impl(const float* const* sc, const float* const* kv, i64 cr, 
   double* out = sum;
   for (i64 i = 0; i < w; ++i) out[i] = 0.0;
   for (i64 j = 0; j < cr; ++j) {
-    const double* ej = e + j * kN;
+    const double* ej = e + j * kP;
     const float* k = kv[j];
     float* so = s_out ? s_out + j * ld_out : nullptr;
     float* ko = k_out ? k_out + j * ld_out : nullptr;
@@ -248,7 +329,7 @@ void block_softmax(const float* const* sc, const float* const* kv, i64 cr, i64 w
 
 }  // namespace
 
-extern const SimdKernels kTable{Isa::KVCOMP_SIMD_NS, block_dot, slot_grad, slot_grad_bf16, block_softmax,
-                                to_f32,                from_f32,  split_bf16};
+extern const SimdKernels kTable{Isa::KVCOMP_SIMD_NS, block_dot, slot_grad,  slot_grad_bf16, block_softmax,
+                                to_f32,                from_f32,  split_bf16, exp_n};
 
 }  // namespace kvcomp::detail::KVCOMP_SIMD_NS

@@ -22,6 +22,9 @@ inline constexpr std::int64_t kSlice = 16;
 // of a block is read as one run of cache lines (the rows lie a page or more apart, and a run per row is
 // what the hardware prefetchers follow), small enough that the block's exponentials stay in L2.
 inline constexpr std::int64_t kSoftmaxChunk = 16 * kSlice;
+// Doubles from one row of the block softmax's scratch to the next: a chunk and a cache line, so that a
+// row's store and the sums' load never sit a multiple of 4 KiB apart (a false store-forwarding stall).
+inline constexpr std::int64_t kSoftmaxPitch = kSoftmaxChunk + 8;
 
 struct SimdKernels {
   Isa isa;
@@ -44,7 +47,7 @@ struct SimdKernels {
   // float64. sc[j] / kv[j]: the rows (already offset to the chunk), nullptr
   // for a placeholder row (weight exactly 0). Writes softmax_score / kv rows
   // (s_out / k_out with row stride ld_out, either may be null) and the
-  // pooled row to cmp (io dtype). e: scratch of (cr + 1) * kSoftmaxChunk
+  // pooled row to cmp (io dtype). e: scratch of (cr + 1) * kSoftmaxPitch
   // doubles. The s_out / k_out rows are streamed (cpu/stream_store.hpp): the
   // caller fences before another thread reads them.
   void (*block_softmax)(const float* const* sc, const float* const* kv, std::int64_t cr, std::int64_t w,
@@ -57,6 +60,9 @@ struct SimdKernels {
   // backward's blocks write these parts themselves (slot_grad_bf16, through the same per-element
   // steps); this array form is their definition, tested on special values (tests/kernels).
   void (*split_bf16)(const float* src, std::uint16_t* hi, std::uint16_t* lo, std::int64_t n);
+  // y[i] = exp_nonpositive(x[i]) (common/numerics.hpp), n elements, through the vector form the
+  // block softmax runs (AVX2, AVX-512: intrinsics); tests hold it bitwise to the scalar function.
+  void (*exp)(const double* x, double* y, std::int64_t n);
 };
 
 // The table for one ISA (the scalar one when the build lacks that variant).
