@@ -264,6 +264,7 @@ void block_softmax_impl(const float* const* sc, const float* const* kv, i64 cr, 
   // division, then the weighted sum in row order.
   float mxf[kN];
   for (i64 i = 0; i < w; ++i) mxf[i] = -__builtin_inff();
+  for (i64 j = 0; j < cr && j < kRowsAhead; ++j) prefetch_run(sc[j], w);
   for (i64 j = 0; j < cr; ++j) {
     // The rows lie a page or more apart: fetch a few rows ahead, so that their misses overlap.
     if (j + kRowsAhead < cr) prefetch_run(sc[j + kRowsAhead], w);
