@@ -211,10 +211,10 @@ bool amx_own() {
 // C (+)= A . B for each target on kvcomp's AMX kernel: the rows in blocks (multiples of 32, about one
 // per thread where there are rows enough), else the columns in blocks of whole group pairs, so that
 // every thread has a share; a block is one single-threaded amx_gemm_block. Which block or thread
-// computes an element does not change its sum (gemm_amx.hpp). A row block holds 128 rows or more:
-// threads on smaller ones (decode calls) would each read all of B's columns (the weights, the bulk of
-// such a call's bytes), where column blocks read each column once (2 threads, M = 64, N 2 x 1024, K
-// 4096, weights in cache: row halves 0.77 ms, column halves 0.65; docs/performance.md).
+// computes an element does not change its sum (gemm_amx.hpp). Row blocks hold 128 rows or more (but
+// the last): threads on smaller ones (decode calls) would each read all of B's columns (the weights,
+// the bulk of such a call's bytes), where column blocks read each column once (2 threads, M = 64, N 2 x
+// 1024, K 4096, weights in cache: row halves 0.77 ms, column halves 0.65; docs/performance.md).
 // `a2` (optional): C (+)= A . B + A2 . B, one chain of sums (amx_gemm_block).
 void amx_products(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
                   std::span<const Bf16Target> targets, bool accumulate, int num_threads,
