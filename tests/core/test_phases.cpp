@@ -3,6 +3,7 @@
 // changed by timing a call.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 #include <string>
@@ -152,20 +153,29 @@ TEST(PhaseClock, ProductsOutweighTheBlockPhasesOfAWideForward) {
   one.num_threads = 1;
   ForwardRun f(rc.problem, rc.in, DType::bf16);
   ASSERT_TRUE(f.run(one).ok());  // untimed: primitives made, pages touched
-  reset_phase_times();
-  set_phase_timing(true);
-  ForwardRun g(rc.problem, rc.in, DType::bf16);
-  ASSERT_TRUE(g.run(one).ok());
-  set_phase_timing(false);
-  double products = 0, per_block = 0;
+  // The least of three timed calls on each side: a stall (another test's process, ctest -j) only ever
+  // adds time, and in one call it could land in any phase (once: ape 4.7 ms against blocks 2.7 ms, in
+  // a sanitizer build).
+  double products = 1e30, per_block = 1e30;
   std::string all;
-  for (const PhaseTime& p : phase_times())
-    if (std::string(p.op) == "forward") {
-      const std::string name = p.phase;
-      all += name + " " + std::to_string(p.seconds) + " s; ";
-      if (name == "products") products = p.seconds;
-      if (name == "ape" || name == "blocks" || name == "rows") per_block += p.seconds;
-    }
+  for (int rep = 0; rep < 3; ++rep) {
+    reset_phase_times();
+    set_phase_timing(true);
+    ForwardRun g(rc.problem, rc.in, DType::bf16);
+    ASSERT_TRUE(g.run(one).ok());
+    set_phase_timing(false);
+    double prod = 0, blocks = 0;
+    for (const PhaseTime& p : phase_times())
+      if (std::string(p.op) == "forward") {
+        const std::string name = p.phase;
+        all += name + " " + std::to_string(p.seconds) + " s; ";
+        if (name == "products") prod = p.seconds;
+        if (name == "ape" || name == "blocks" || name == "rows") blocks += p.seconds;
+      }
+    all += "| ";
+    products = std::min(products, prod);
+    per_block = std::min(per_block, blocks);
+  }
   EXPECT_GT(products, per_block) << all;
 }
 
