@@ -123,6 +123,102 @@ void chunk_steps(const std::uint16_t* chunk, const char* b0, const char* b1, std
   }
 }
 
+// Tiles of a block of 33 to 64 rows x one group: 0-3 the C tiles of rows 0-15, 16-31, 32-47 and 48 on
+// (r2 and r3 rows), 4 A's rows 0-15 and then 16-31, 5 its rows from 32 on, 7 from 48 on, 6 B.
+void load_config_tall(int r2, int r3) {
+  TileConfig cfg;
+  const int rows[8] = {16, 16, r2, r3, 16, r2, 16, r3};
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = static_cast<std::uint8_t>(rows[t]);
+    cfg.colsb[t] = rows[t] > 0 ? 64 : 0;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// chunk_steps for 33 to 64 rows and one group of 16 columns (each step's B tile read once for all
+// the rows): A from `chunk` (per step 64 rows of 32 bf16), the sums between chunks in `partial`.
+template <bool FourRows>
+void chunk_steps_tall(const std::uint16_t* chunk, const char* b, std::int64_t k0, std::int64_t n,
+                      float* partial, bool first, bool last) {
+  if (first) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    if constexpr (FourRows) _tile_zero(3);
+  } else {
+    _tile_loadd(0, partial, 64);
+    _tile_loadd(1, partial + 256, 64);
+    _tile_loadd(2, partial + 512, 64);
+    if constexpr (FourRows) _tile_loadd(3, partial + 768, 64);
+  }
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::uint16_t* x = chunk + i * 64 * kStepK;
+    _tile_loadd(6, b + (k0 + i) * kStepBytes, 64);
+    _tile_loadd(4, x, 64);
+    _tile_loadd(5, x + 32 * kStepK, 64);
+    if constexpr (FourRows) _tile_loadd(7, x + 48 * kStepK, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    if constexpr (FourRows) _tile_dpbf16ps(3, 7, 6);
+    _tile_loadd(4, x + 16 * kStepK, 64);
+    _tile_dpbf16ps(1, 4, 6);
+  }
+  if (!last) {
+    _tile_stored(0, partial, 64);
+    _tile_stored(1, partial + 256, 64);
+    _tile_stored(2, partial + 512, 64);
+    if constexpr (FourRows) _tile_stored(3, partial + 768, 64);
+  }
+}
+
+// amx_gemm_block for 33 to 64 rows and one A (decode calls of that many sequences): all the rows on
+// each B tile, so that B, the bulk of such a call's bytes, is read once (the 32-row blocks read each
+// panel of B twice, the second time from L2). Each element's chain of sums is the same.
+__attribute__((noinline)) void gemm_block_tall(std::int64_t M, std::int64_t N, std::int64_t K,
+                                               const std::uint16_t* a, std::int64_t lda, const char* bp,
+                                               void* c, std::int64_t ldc, AmxStore store, std::int64_t g0,
+                                               std::int64_t g1) {
+  constexpr std::int64_t kPanel = 16;  // groups sharing one copy of A's chunk (their sums: 64 KiB)
+  const std::int64_t steps = steps_of(K), chunks = (steps + kChunkSteps - 1) / kChunkSteps;
+  const std::int64_t c_size = store == AmxStore::bf16 ? 2 : 4;
+  const int r2 = static_cast<int>(std::min<std::int64_t>(16, M - 32));
+  const int r3 = static_cast<int>(std::max<std::int64_t>(0, M - 48));
+  alignas(64) std::uint16_t chunk[kChunkSteps * 64 * kStepK];
+  alignas(64) float partial[kPanel][4 * 256];
+  load_config_tall(r2, r3);
+  for (std::int64_t p0 = g0; p0 < g1; p0 += kPanel) {
+    const std::int64_t p1 = std::min(g1, p0 + kPanel);
+    for (std::int64_t c0 = 0; c0 < chunks; ++c0) {
+      const std::int64_t k0 = c0 * kChunkSteps, n = std::min(kChunkSteps, steps - k0);
+      for (std::int64_t i = 0; i < n; ++i) {
+        const std::int64_t k = (k0 + i) * kStepK, len = std::min(kStepK, K - k);
+        std::uint16_t* dst = chunk + i * 64 * kStepK;
+        const std::uint16_t* src = a + k;
+        const auto keep = static_cast<__mmask32>((std::uint64_t{1} << len) - 1);
+        for (std::int64_t r = 0; r < M; ++r)
+          _mm512_store_si512(dst + r * kStepK, _mm512_maskz_loadu_epi16(keep, src + r * lda));
+      }
+      const bool first = c0 == 0, last = c0 == chunks - 1;
+      for (std::int64_t g = p0; g < p1; ++g) {
+        float* part = partial[g - p0];
+        const char* b = bp + g * steps * kStepBytes;
+        if (r3 > 0)
+          chunk_steps_tall<true>(chunk, b, k0, n, part, first, last);
+        else
+          chunk_steps_tall<false>(chunk, b, k0, n, part, first, last);
+        if (!last) continue;
+        const std::int64_t n0 = g * kGroupCols, cols = std::min(kGroupCols, N - n0);
+        auto* cm = static_cast<unsigned char*>(c) + n0 * c_size;
+        store_tile(0, 16, cols, cm, ldc, store);
+        store_tile(1, 16, cols, cm + 16 * ldc * c_size, ldc, store);
+        store_tile(2, r2, cols, cm + 32 * ldc * c_size, ldc, store);
+        if (r3 > 0) store_tile(3, r3, cols, cm + 48 * ldc * c_size, ldc, store);
+      }
+    }
+  }
+  _tile_release();
+}
+
 }  // namespace
 
 bool amx_tiles_usable() {
@@ -205,10 +301,15 @@ void amx_pack_b(std::int64_t N, std::int64_t K, const std::uint16_t* b, std::int
   }
 }
 
-void amx_gemm_block(std::int64_t M, std::int64_t N, std::int64_t K, const std::uint16_t* a, std::int64_t lda,
-                    const void* packed, void* c, std::int64_t ldc, AmxStore store, std::int64_t g0,
-                    std::int64_t g1, const std::uint16_t* a2) {
-  if (M <= 0 || g0 >= g1) return;
+namespace {
+
+// amx_gemm_block in blocks of up to 32 rows x 2 groups (2 x 2 C tiles: one tile load per TDPBF16PS),
+// panel by panel: a panel of B read for the first row block is in L2 for the others. Not inlined, nor
+// is gemm_block_tall: one stack frame of buffers at a time.
+__attribute__((noinline)) void gemm_block_pairs(std::int64_t M, std::int64_t N, std::int64_t K,
+                                                const std::uint16_t* a, std::int64_t lda, const void* packed,
+                                                void* c, std::int64_t ldc, AmxStore store, std::int64_t g0,
+                                                std::int64_t g1, const std::uint16_t* a2) {
   const std::int64_t steps = steps_of(K), chunks = (steps + kChunkSteps - 1) / kChunkSteps;
   const std::int64_t parts = a2 ? 2 : 1;
   const std::int64_t c_size = store == AmxStore::bf16 ? 2 : 4;
@@ -281,6 +382,21 @@ void amx_gemm_block(std::int64_t M, std::int64_t N, std::int64_t K, const std::u
     }
   }
   _tile_release();
+}
+
+}  // namespace
+
+void amx_gemm_block(std::int64_t M, std::int64_t N, std::int64_t K, const std::uint16_t* a, std::int64_t lda,
+                    const void* packed, void* c, std::int64_t ldc, AmxStore store, std::int64_t g0,
+                    std::int64_t g1, const std::uint16_t* a2) {
+  if (M <= 0 || g0 >= g1) return;
+  // 33 to 64 rows and one A: a decode call of that many sequences, bound by reading B, which the 32-row
+  // blocks read twice (the second time from L2). Not for more rows: blocks of 64 rows load 1.25 tiles
+  // per TDPBF16PS instead of one, and the training forward's 256-row products ran slower in them
+  // (C4A 0.90 -> 0.93-0.97x its product alone; docs/performance.md).
+  if (!a2 && M > 32 && M <= 64)
+    return gemm_block_tall(M, N, K, a, lda, static_cast<const char*>(packed), c, ldc, store, g0, g1);
+  gemm_block_pairs(M, N, K, a, lda, packed, c, ldc, store, g0, g1, a2);
 }
 
 }  // namespace kvcomp::detail

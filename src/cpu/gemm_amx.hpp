@@ -8,8 +8,9 @@
 // (the forward 1.15-1.28x its product alone, a decode call 1.5-1.7x:
 // docs/performance.md). The tile instructions themselves take any row
 // stride, so this kernel writes C where it lies, reads A where it lies (256
-// of K at a time copied into an L1 buffer, 16 KiB for 32 rows) and reads B
-// from a copy packed once per call (or once for good: prepared weights).
+// of K at a time copied into an L1 buffer, 16 KiB for 32 rows, 32 KiB for
+// 64) and reads B from a copy packed once per call (or once for good:
+// prepared weights).
 //
 // The sums. C[m, n] = sum over k of A[m, k] * B[k, n] runs, for every
 // element, over K in steps of 32 (16 pairs; the last step zero-padded) in
@@ -54,8 +55,10 @@ enum class AmxStore { set, add, bf16 };
 // packed by amx_pack_b, C row-major (row stride ldc; float, or std::uint16_t for AmxStore::bf16).
 // `a2` (optional, same shape and stride): C = A . B + A2 . B as one product of twice the K, A's steps
 // and then A2's on the same packed B in one chain of fp32 sums (the precise backward's hi and lo parts:
-// one pass over C instead of two). Single-threaded, on the calling thread (about 82 KiB of its stack:
-// A's chunk, the sums between chunks, one tile for the stores); needs amx_tiles_usable().
+// one pass over C instead of two). Calls of 33 to 64 rows and one A (decode-sized) run all their rows
+// on each B tile (B read once), the others blocks of 32 rows; the sums are the same. Single-threaded,
+// on the calling thread (up to about 100 KiB of its stack: A's chunk, the sums between chunks, one
+// tile for the stores); needs amx_tiles_usable().
 void amx_gemm_block(std::int64_t M, std::int64_t N, std::int64_t K, const std::uint16_t* a, std::int64_t lda,
                     const void* packed, void* c, std::int64_t ldc, AmxStore store, std::int64_t g0,
                     std::int64_t g1, const std::uint16_t* a2 = nullptr);

@@ -182,7 +182,10 @@ TEST_P(GemmAmx, SecondAIsTheProductOfBothSideBySide) {
 }
 
 // Tails of every kind: M not a multiple of 16 or 32, N of 16, K of 32 or odd; a call of one row and
-// one column; a K shorter than one step; both layouts of B.
+// one column; a K shorter than one step; both layouts of B. Calls of 33 to 64 rows run all their rows
+// on each B tile (M = 33, 48, 57, 64: three or four row tiles, the last partial or whole; N = 300: more
+// groups than share one copy of A), the others blocks of 32 rows (M = 65 and more: 70, 130, 256, 257):
+// the test of rows alone compares the two.
 std::string shape_name(const ::testing::TestParamInfo<Shape>& p) {
   std::string name = "m";
   name.append(std::to_string(p.param.M)).append("_n").append(std::to_string(p.param.N));
@@ -195,7 +198,10 @@ INSTANTIATE_TEST_SUITE_P(Shapes, GemmAmx,
                                            Shape{3, 17, 33, false}, Shape{16, 32, 64, true},
                                            Shape{17, 48, 31, true}, Shape{31, 40, 95, false},
                                            Shape{33, 64, 1, true}, Shape{70, 50, 257, false},
-                                           Shape{64, 160, 1003, true}, Shape{5, 272, 4096, true}),
+                                           Shape{64, 160, 1003, true}, Shape{5, 272, 4096, true},
+                                           Shape{48, 33, 100, false}, Shape{57, 300, 2050, true},
+                                           Shape{130, 40, 300, true}, Shape{256, 20, 64, false},
+                                           Shape{257, 17, 40, true}),
                          shape_name);
 
 }  // namespace
