@@ -393,7 +393,7 @@ void amx_gemm_block(std::int64_t M, std::int64_t N, std::int64_t K, const std::u
   // 33 to 64 rows and one A: a decode call of that many sequences, bound by reading B, which the 32-row
   // blocks read twice (the second time from L2). Not for more rows: blocks of 64 rows load 1.25 tiles
   // per TDPBF16PS instead of one, and the training forward's 256-row products ran slower in them
-  // (C4A 0.90 -> 0.93-0.97x its product alone; docs/performance.md).
+  // (C4A 0.88-0.90 -> 0.93-0.99x its product alone; docs/performance.md).
   if (!a2 && M > 32 && M <= 64)
     return gemm_block_tall(M, N, K, a, lda, static_cast<const char*>(packed), c, ldc, store, g0, g1);
   gemm_block_pairs(M, N, K, a, lda, packed, c, ldc, store, g0, g1, a2);
