@@ -35,16 +35,38 @@ struct alignas(64) TileConfig {
   std::uint8_t rows[16] = {};
 };
 
-// Tiles: 0-3 the C tiles (A0 or A1 times B0 or B1: 0 = A0.B0, 1 = A0.B1, 2 = A1.B0, 3 = A1.B1),
-// 4-5 A0 and A1 (r0 and r1 rows of 32 bf16), 6-7 B0 and B1 (16 pair-rows of 16 columns).
-void load_config(int r0, int r1) {
+// LDTILECFG of tiles 0-7 with these rows each (64 bytes wide; 0 rows: unused).
+void load_tile_rows(const int (&rows)[8]) {
   TileConfig cfg;
-  const int rows[8] = {r0, r0, r1, r1, r0, r1, 16, 16};
   for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = static_cast<std::uint8_t>(rows[t]);
     cfg.colsb[t] = rows[t] > 0 ? 64 : 0;
   }
   _tile_loadconfig(&cfg);
+}
+
+// Tiles: 0-3 the C tiles (A0 or A1 times B0 or B1: 0 = A0.B0, 1 = A0.B1, 2 = A1.B0, 3 = A1.B1),
+// 4-5 A0 and A1 (r0 and r1 rows of 32 bf16), 6-7 B0 and B1 (16 pair-rows of 16 columns).
+void load_config(int r0, int r1) { load_tile_rows({r0, r0, r1, r1, r0, r1, 16, 16}); }
+
+// Steps [k0, k0 + n) of rows [0, rows) of A (row stride lda) copied into `chunk`, step by step, each
+// step `step_rows` rows of 32 bf16 (64 bytes), the last step zero-padded past K (reading A past K
+// could meet inf or NaN, which times B's zero padding is NaN).
+void copy_a_steps(const std::uint16_t* a, std::int64_t lda, std::int64_t rows, std::int64_t K,
+                  std::int64_t k0, std::int64_t n, std::int64_t step_rows, std::uint16_t* chunk) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t k = (k0 + i) * kStepK, len = std::min(kStepK, K - k);
+    std::uint16_t* dst = chunk + i * step_rows * kStepK;
+    const std::uint16_t* src = a + k;
+    if (len == kStepK) {  // one 64-byte load and store per row
+      for (std::int64_t r = 0; r < rows; ++r)
+        _mm512_store_si512(dst + r * kStepK, _mm512_loadu_si512(src + r * lda));
+    } else {  // the last step: its first len values, zeros after
+      const auto keep = static_cast<__mmask32>((std::uint64_t{1} << len) - 1);
+      for (std::int64_t r = 0; r < rows; ++r)
+        _mm512_store_si512(dst + r * kStepK, _mm512_maskz_loadu_epi16(keep, src + r * lda));
+    }
+  }
 }
 
 // TILESTORED of C tile t (0-3): the tile number is part of the instruction.
@@ -125,15 +147,7 @@ void chunk_steps(const std::uint16_t* chunk, const char* b0, const char* b1, std
 
 // Tiles of a block of 33 to 64 rows x one group: 0-3 the C tiles of rows 0-15, 16-31, 32-47 and 48 on
 // (r2 and r3 rows), 4 A's rows 0-15 and then 16-31, 5 its rows from 32 on, 7 from 48 on, 6 B.
-void load_config_tall(int r2, int r3) {
-  TileConfig cfg;
-  const int rows[8] = {16, 16, r2, r3, 16, r2, 16, r3};
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = static_cast<std::uint8_t>(rows[t]);
-    cfg.colsb[t] = rows[t] > 0 ? 64 : 0;
-  }
-  _tile_loadconfig(&cfg);
-}
+void load_config_tall(int r2, int r3) { load_tile_rows({16, 16, r2, r3, 16, r2, 16, r3}); }
 
 // chunk_steps for 33 to 64 rows and one group of 16 columns (each step's B tile read once for all
 // the rows): A from `chunk` (per step 64 rows of 32 bf16), the sums between chunks in `partial`.
@@ -190,14 +204,7 @@ __attribute__((noinline)) void gemm_block_tall(std::int64_t M, std::int64_t N, s
     const std::int64_t p1 = std::min(g1, p0 + kPanel);
     for (std::int64_t c0 = 0; c0 < chunks; ++c0) {
       const std::int64_t k0 = c0 * kChunkSteps, n = std::min(kChunkSteps, steps - k0);
-      for (std::int64_t i = 0; i < n; ++i) {
-        const std::int64_t k = (k0 + i) * kStepK, len = std::min(kStepK, K - k);
-        std::uint16_t* dst = chunk + i * 64 * kStepK;
-        const std::uint16_t* src = a + k;
-        const auto keep = static_cast<__mmask32>((std::uint64_t{1} << len) - 1);
-        for (std::int64_t r = 0; r < M; ++r)
-          _mm512_store_si512(dst + r * kStepK, _mm512_maskz_loadu_epi16(keep, src + r * lda));
-      }
+      copy_a_steps(a, lda, M, K, k0, n, 64, chunk);
       const bool first = c0 == 0, last = c0 == chunks - 1;
       for (std::int64_t g = p0; g < p1; ++g) {
         float* part = partial[g - p0];
@@ -314,10 +321,9 @@ __attribute__((noinline)) void gemm_block_pairs(std::int64_t M, std::int64_t N, 
   const std::int64_t parts = a2 ? 2 : 1;
   const std::int64_t c_size = store == AmxStore::bf16 ? 2 : 4;
   const char* bp = static_cast<const char*>(packed);
-  // A K chunk of the row block's rows, copied step by step into 64-byte rows (16 KiB: it stays in L1
-  // across the panel's column groups, where rows of A 8 KiB apart would all fall into one L1 set),
-  // the last step zero-padded past K (reading A past K could meet inf or NaN, which times B's zero
-  // padding is NaN). And the fp32 sums of the panel's blocks between chunks.
+  // A K chunk of the row block's rows (copy_a_steps: 16 KiB, it stays in L1 across the panel's column
+  // groups, where rows of A 8 KiB apart would all fall into one L1 set), and the fp32 sums of the
+  // panel's blocks between chunks.
   alignas(64) std::uint16_t chunk[kChunkSteps * 32 * kStepK];
   alignas(64) float partial[kMaxPanelGroups / 2][4 * 256];
   const std::int64_t panel =
@@ -338,19 +344,7 @@ __attribute__((noinline)) void gemm_block_pairs(std::int64_t M, std::int64_t N, 
         const std::int64_t k0 = c0 % chunks * kChunkSteps;
         const std::uint16_t* a_part = c0 < chunks ? a : a2;
         const std::int64_t n = std::min(kChunkSteps, steps - k0);
-        for (std::int64_t i = 0; i < n; ++i) {
-          const std::int64_t k = (k0 + i) * kStepK, len = std::min(kStepK, K - k);
-          std::uint16_t* dst = chunk + i * 32 * kStepK;
-          const std::uint16_t* src = a_part + m * lda + k;
-          if (len == kStepK) {  // one 64-byte load and store per row
-            for (int r = 0; r < rows; ++r)
-              _mm512_store_si512(dst + r * kStepK, _mm512_loadu_si512(src + r * lda));
-          } else {  // the last step: its first len values, zeros after
-            const auto keep = static_cast<__mmask32>((std::uint64_t{1} << len) - 1);
-            for (int r = 0; r < rows; ++r)
-              _mm512_store_si512(dst + r * kStepK, _mm512_maskz_loadu_epi16(keep, src + r * lda));
-          }
-        }
+        copy_a_steps(a_part + m * lda, lda, rows, K, k0, n, 32, chunk);
         const bool first = c0 == 0, last = c0 == parts * chunks - 1;
         for (std::int64_t g = p0; g < p1; g += 2) {
           const bool two_cols = g + 1 < p1;

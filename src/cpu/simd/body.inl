@@ -198,7 +198,6 @@ using VecD = __m512d;
 inline VecD load_f32_as_f64(const float* s) { return _mm512_maskz_cvtps_pd(0xff, _mm256_loadu_ps(s)); }
 inline VecD vload(const double* p) { return _mm512_loadu_pd(p); }
 inline void vstore(double* p, VecD v) { _mm512_storeu_pd(p, v); }
-inline VecD vzero() { return _mm512_setzero_pd(); }
 inline VecD vadd(VecD a, VecD b) { return _mm512_add_pd(a, b); }
 inline VecD vsub(VecD a, VecD b) { return _mm512_sub_pd(a, b); }
 #elif defined(__AVX2__)
@@ -220,7 +219,6 @@ using VecD = __m256d;
 inline VecD load_f32_as_f64(const float* s) { return _mm256_cvtps_pd(_mm_loadu_ps(s)); }
 inline VecD vload(const double* p) { return _mm256_loadu_pd(p); }
 inline void vstore(double* p, VecD v) { _mm256_storeu_pd(p, v); }
-inline VecD vzero() { return _mm256_setzero_pd(); }
 inline VecD vadd(VecD a, VecD b) { return _mm256_add_pd(a, b); }
 inline VecD vsub(VecD a, VecD b) { return _mm256_sub_pd(a, b); }
 #endif
