@@ -206,7 +206,7 @@ def parse_args(argv=None):
     p.add_argument("--repeat", type=int, default=3, help="timed rounds of the training cases and e2e runs")
     p.add_argument("--decode", type=int, nargs="+", default=[1, 8, 64, 256], help="decode batch sizes B")
     # 10, not 5: with 5 a noisy stretch of a shared VM still left one or two sub-ms decode figures at
-    # 1.8-2.2x (docs/performance.md, 2026-12-06); the --more-decode run takes about 20 s longer.
+    # about twice their time; the --more-decode run takes about 20 s longer.
     p.add_argument("--decode-repeat", type=int, default=10, help="timed rounds of the decode calls")
     p.add_argument("--more-decode", action="store_true",
                    help="also decode calls of 4 tokens, on a ring cache, and in the TH layout")

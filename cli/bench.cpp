@@ -70,9 +70,8 @@ void evict_caches() {
 
 // Untimed runs of a warm decode call before each timed one (and before its phase clock), so that it
 // finds its data cached as a loop of its own calls would: the functions timed before it read 16-48 MiB
-// of other weights. One run was not enough on Zen 4 (2 cores, 32 MiB L3): after it a C4A B = 1 call
-// took 0.21-0.25 ms and its product alone 0.28-0.33 ms, against 0.12-0.16 and 0.10-0.15 ms after three
-// or five runs (docs/performance.md, 2026-12-06).
+// of other weights. One run was not enough on a CPU with a small last-level cache: the call and its
+// product alone then measured up to twice their time after three runs (docs/performance.md).
 constexpr int kRewarmRuns = 3;
 // The untimed runs before each timed decode call of this bench: none where --decode-cold evicts the caches.
 int decode_rewarm_runs(const BenchOptions& o) { return o.decode_cold ? 0 : kRewarmRuns; }
@@ -171,7 +170,9 @@ PhaseProfile profile_phases(std::string label, const Timed& f, bool forward, int
 nlohmann::json phases_json(const PhaseProfile& p) {
   nlohmann::json phases = nlohmann::json::array();
   for (const auto& [name, sec] : p.phases) phases.push_back({{"phase", name}, {"ms", sec * 1e3}});
-  return {{"calls", p.calls}, {"call_ms", p.call_s * 1e3}, {"outside_ms", p.outside_s() * 1e3},
+  return {{"calls", p.calls},
+          {"call_ms", p.call_s * 1e3},
+          {"outside_ms", p.outside_s() * 1e3},
           {"phases", phases}};
 }
 
@@ -194,8 +195,7 @@ void print_phase_tables(const std::vector<PhaseProfile>& profiles) {
     for (const PhaseProfile& p : profiles) {
       if (p.forward != forward) continue;
       std::printf("%-36s %9.3f |", p.label.c_str(), p.call_s * 1e3);
-      for (const auto& ph : p.phases)
-        std::printf(" %*.1f", width(ph.first), 100.0 * ph.second / p.call_s);
+      for (const auto& ph : p.phases) std::printf(" %*.1f", width(ph.first), 100.0 * ph.second / p.call_s);
       std::printf(" %7.1f\n", 100.0 * p.outside_s() / p.call_s);
     }
   }
@@ -206,7 +206,7 @@ struct Result {
          bwd_products_bf16_s = 0;
   double bwd_parity_s = 0;  // --both-modes: the npu_parity backward (bwd_s is then the precise one)
   long rss_mib = 0;
-  double compressed_fraction = 0;  // tokens inside compressed blocks / T
+  double compressed_fraction = 0;    // tokens inside compressed blocks / T
   std::vector<PhaseProfile> phases;  // --phases: forward, backward[, backward npu_parity]
 };
 
@@ -237,8 +237,7 @@ Result run_case(const Case& c, const BenchOptions& o) {
   const auto bwd32 = products_or_none(false, c, Products::Which::backward);
   const auto bwd16 = products_or_none(true, c, Products::Which::backward);
   const std::vector<double> t = best_in_rounds(
-      o.repeat, {fwd, run_of(fwd32), run_of(fwd16), bwd, run_of(bwd32), run_of(bwd16), bwd_parity}, false,
-      0);
+      o.repeat, {fwd, run_of(fwd32), run_of(fwd16), bwd, run_of(bwd32), run_of(bwd16), bwd_parity}, false, 0);
   res.fwd_s = t[0];
   res.fwd_products_s = t[1];
   res.fwd_products_bf16_s = t[2];
@@ -387,7 +386,9 @@ int run_bench(const BenchOptions& o) {
     if (!o.json.empty() || o.both_modes || o.phases) {
       print_error(static_cast<int>(StatusCode::invalid_param),
                   std::string("[kvcomp] ") +
-                      (o.both_modes ? "--both-modes" : o.phases ? "--phases" : "--json") +
+                      (o.both_modes ? "--both-modes"
+                       : o.phases   ? "--phases"
+                                    : "--json") +
                       " is for the CPU bench, not with --device cuda");
       return kExitStatus;
     }
@@ -454,12 +455,12 @@ int run_bench(const BenchOptions& o) {
     const double flop_fwd = c.forward_flop(), flop_bwd = c.backward_flop();
     const std::string layout = c.batches > 1 ? "TH/" + std::to_string(c.batches) : "BSH";
     const std::string kinds = std::string(used.fwd) + "/" + used.bwd;
-    std::printf("%-6s %-8s %6lld %5.1f | %-10s | %8.1f %7.1f %6s %6s | %8.1f %7.1f %6s %6s | %7ld",
-                c.p.name, layout.c_str(), static_cast<long long>(c.T), 100.0 * r.compressed_fraction,
-                kinds.c_str(), r.fwd_s * 1e3, flop_fwd / r.fwd_s / 1e9,
-                ratio(r.fwd_s, r.fwd_products_s).c_str(), ratio(r.fwd_s, r.fwd_products_bf16_s).c_str(),
-                r.bwd_s * 1e3, flop_bwd / r.bwd_s / 1e9, ratio(r.bwd_s, r.bwd_products_s).c_str(),
-                ratio(r.bwd_s, r.bwd_products_bf16_s).c_str(), r.rss_mib);
+    std::printf("%-6s %-8s %6lld %5.1f | %-10s | %8.1f %7.1f %6s %6s | %8.1f %7.1f %6s %6s | %7ld", c.p.name,
+                layout.c_str(), static_cast<long long>(c.T), 100.0 * r.compressed_fraction, kinds.c_str(),
+                r.fwd_s * 1e3, flop_fwd / r.fwd_s / 1e9, ratio(r.fwd_s, r.fwd_products_s).c_str(),
+                ratio(r.fwd_s, r.fwd_products_bf16_s).c_str(), r.bwd_s * 1e3, flop_bwd / r.bwd_s / 1e9,
+                ratio(r.bwd_s, r.bwd_products_s).c_str(), ratio(r.bwd_s, r.bwd_products_bf16_s).c_str(),
+                r.rss_mib);
     if (o.both_modes) {
       const std::string par_x = ratio(r.bwd_parity_s, r.bwd_products_bf16_s);
       const std::string pr_par = ratio(r.bwd_s, r.bwd_parity_s);
@@ -493,9 +494,9 @@ int run_bench(const BenchOptions& o) {
     if (o.phases) {
       row["phases"] = nlohmann::json::object();
       for (PhaseProfile p : r.phases) {
-        row["phases"][p.label == "forward" ? "forward" : p.label == "backward npu_parity" && o.both_modes
-                                                               ? "backward_npu_parity"
-                                                               : "backward"] = phases_json(p);
+        row["phases"][p.label == "forward"                               ? "forward"
+                      : p.label == "backward npu_parity" && o.both_modes ? "backward_npu_parity"
+                                                                         : "backward"] = phases_json(p);
         p.label = std::string(c.p.name) + " " + layout + " T=" + std::to_string(c.T) + " " + p.label;
         profiles.push_back(p);
       }
@@ -548,8 +549,8 @@ int run_bench(const BenchOptions& o) {
       doc["decode"].back()["phases"] = nlohmann::json::object();
       for (PhaseProfile p : r.phases) {
         doc["decode"].back()["phases"][p.label] = phases_json(p);
-        p.label = std::string(c.p.name) + " decode B=" + std::to_string(c.batches) + " tok=" +
-                  std::to_string(c.tokens) + " " + p.label;
+        p.label = std::string(c.p.name) + " decode B=" + std::to_string(c.batches) +
+                  " tok=" + std::to_string(c.tokens) + " " + p.label;
         profiles.push_back(p);
       }
     }

@@ -134,8 +134,9 @@ std::optional<kvcomp::Tensor> view_opt(const std::optional<InArray>& a, const ch
 }
 
 kvcomp::Options make_options(const std::string& profile, const std::string& precision, int num_threads,
-                             std::uintptr_t stream) {
+                             std::uintptr_t stream, bool row_stable = true) {
   kvcomp::Options o;
+  o.row_stable = row_stable;
   o.stream = reinterpret_cast<void*>(stream);  // CUDA tensors: the caller's stream (torch's current one)
   if (profile == "extended") {
     o.profile = kvcomp::Profile::extended;
@@ -204,8 +205,9 @@ void forward(const InArray& x, const InArray& wkv, const InArray& wgate, const O
              const std::optional<InArray>& start_pos, std::int64_t cmp_ratio, std::int64_t coff,
              std::int64_t cache_mode, const OutArray& cmp_kv, const std::optional<OutArray>& softmax_score,
              const std::optional<OutArray>& kv, const std::string& profile, const std::string& precision,
-             int num_threads, std::uintptr_t stream, const std::optional<InArray>& prepared_weights) {
-  const kvcomp::Options options = make_options(profile, precision, num_threads, stream);
+             int num_threads, std::uintptr_t stream, const std::optional<InArray>& prepared_weights,
+             bool row_stable) {
+  const kvcomp::Options options = make_options(profile, precision, num_threads, stream, row_stable);
   kvcomp::ForwardArgs a;
   if (prepared_weights)
     std::tie(a.prepared_weights, a.prepared_weights_bytes) = blob_view(*prepared_weights, "prepared_weights");
@@ -245,8 +247,8 @@ void backward(const InArray& x, const InArray& wkv, const InArray& wgate, const 
               const std::optional<InArray>& seqused, const std::optional<InArray>& start_pos,
               std::int64_t cmp_ratio, std::int64_t coff, const OutArray& d_x, const OutArray& d_wkv,
               const OutArray& d_wgate, const OutArray& d_ape, const std::string& profile,
-              const std::string& precision, int num_threads, std::uintptr_t stream) {
-  const kvcomp::Options options = make_options(profile, precision, num_threads, stream);
+              const std::string& precision, int num_threads, std::uintptr_t stream, bool row_stable) {
+  const kvcomp::Options options = make_options(profile, precision, num_threads, stream, row_stable);
   kvcomp::BackwardArgs a;
   a.x = view(x, "x");
   a.wkv = view(wkv, "wkv");
@@ -300,10 +302,11 @@ NB_MODULE(_C, m) {
         nb::arg("seqused").none(), nb::arg("start_pos").none(), nb::arg("cmp_ratio"), nb::arg("coff"),
         nb::arg("cache_mode"), nb::arg("cmp_kv"), nb::arg("softmax_score").none(), nb::arg("kv").none(),
         nb::arg("profile") = "extended", nb::arg("precision") = "precise", nb::arg("num_threads") = 0,
-        nb::arg("stream") = 0, nb::arg("prepared_weights").none() = nb::none(),
+        nb::arg("stream") = 0, nb::arg("prepared_weights").none() = nb::none(), nb::arg("row_stable") = true,
         "Runs kvcomp::compressor_forward on caller-allocated outputs; state_cache is updated in place. "
         "stream: the cudaStream_t (as an integer) of a call on CUDA tensors, 0 for the default stream. "
-        "prepared_weights: a blob of prepare_weights for this call's wkv and wgate, or None.");
+        "prepared_weights: a blob of prepare_weights for this call's wkv and wgate, or None. "
+        "row_stable: kvcomp::Options::row_stable.");
   m.def("prepared_weights_size", &prepared_weights_size, nb::arg("wkv"), nb::arg("wgate"),
         "Bytes of the prepared-weights blob of wkv and wgate (kvcomp::prepared_weights_size).");
   m.def("prepare_weights", &prepare_weights, nb::arg("wkv"), nb::arg("wgate"), nb::arg("blob"),
@@ -313,7 +316,8 @@ NB_MODULE(_C, m) {
         nb::arg("start_pos").none(), nb::arg("cmp_ratio"), nb::arg("coff"), nb::arg("d_x"), nb::arg("d_wkv"),
         nb::arg("d_wgate"), nb::arg("d_ape"), nb::arg("profile") = "extended",
         nb::arg("precision") = "precise", nb::arg("num_threads") = 0, nb::arg("stream") = 0,
-        "Runs kvcomp::compressor_backward on caller-allocated outputs (stream: as for forward).");
+        nb::arg("row_stable") = true,
+        "Runs kvcomp::compressor_backward on caller-allocated outputs (stream, row_stable: as for forward).");
   m.def("compressed_rows_bsh", &kvcomp::compressed_rows_bsh, nb::arg("S"), nb::arg("cmp_ratio"),
         "Rows of cmp_kv per batch in BSH layout: ceil(S / cmp_ratio).");
   m.def("compressed_rows_th", &kvcomp::compressed_rows_th, nb::arg("T"), nb::arg("B"), nb::arg("cmp_ratio"),
@@ -321,13 +325,13 @@ NB_MODULE(_C, m) {
   m.def("version", &kvcomp::version, "Version of the C++ core.");
   m.def("kernel_isa", &kvcomp::kernel_isa,
         "Instruction set of the element-wise kernels: 'avx512', 'avx2' or 'scalar' (capped by KVCOMP_ISA).");
-  m.def(
-      "product_kernels", &kvcomp::product_kernels,
-      "Matrix-product kernels of the CPU backend, e.g. 'bf16 (kvcomp amx_bf16, precise as hi+lo) + "
-      "f32 (dnnl_sgemm)' where the CPU has bf16 units (on AMX kvcomp's own kernel, KVCOMP_AMX_KERNEL=0 "
-      "keeps oneDNN's; KVCOMP_PRODUCTS=f32 keeps fp32; 'backward in f32' where "
-      "they are slower than fp32 FMAs: Intel's AVX512-BF16 without AMX), 'f32 (dnnl_sgemm)' elsewhere "
-      "('f32 (dnnl_sgemm); 1-8 rows: kvcomp avx2' where decode-sized projections run on kvcomp's AVX2 kernel).");
+  m.def("product_kernels", &kvcomp::product_kernels,
+        "Matrix-product kernels of the CPU backend, e.g. 'bf16 (kvcomp amx_bf16, precise as hi+lo) + "
+        "f32 (dnnl_sgemm)' where the CPU has bf16 units (on AMX kvcomp's own kernel, KVCOMP_KERNELS=-amx "
+        "keeps oneDNN's; KVCOMP_PRODUCTS=f32 keeps fp32; 'backward in f32' where "
+        "they are slower than fp32 FMAs: Intel's AVX512-BF16 without AMX), 'f32 (dnnl_sgemm)' elsewhere "
+        "('f32 (dnnl_sgemm); 1-8 rows: kvcomp avx2' where decode-sized projections run on kvcomp's AVX2 "
+        "kernel).");
   m.def("has_cuda_backend", &kvcomp::has_cuda_backend,
         "Whether this build of the core has the CUDA backend (configured with KVCOMP_CUDA).");
   m.def("cuda_device_count", &kvcomp::cuda_device_count,

@@ -106,6 +106,13 @@ struct Options {
   Profile profile = Profile::extended;
   Precision precision = Precision::precise;
   int num_threads = 0;  // 0: OpenMP default. Results never depend on this.
+  // Row stability (on by default): a token's projections, and so every output, have the bits they
+  // have in any other call holding that token, whatever the call's other rows; chunked prefill and
+  // context parallelism then reproduce the one-call results bit for bit. Off, decode-sized CPU calls
+  // skip the padding that guarantees it (about twice as fast at one token on fp32 products), and their
+  // rows may differ in the last bits from the same tokens in a longer call; every call stays
+  // deterministic. The CUDA backend ignores it.
+  bool row_stable = true;
   // CUDA tensors: the cudaStream_t the call is queued on (nullptr: the
   // default stream). Unused for host tensors.
   void* stream = nullptr;
@@ -221,8 +228,8 @@ KVCOMP_API void release_cached_workspace();
 //   other kernels (another machine, KVCOMP_PRODUCTS, KVCOMP_ISA) or for other weight shapes is
 //   refused (invalid_param). Where the products read the weights in place (AVX512-BF16's gemm) it
 //   is a header only and changes nothing. On AVX2 CPUs with fp32 products a blob of bf16 or fp16
-//   weights also holds them as 16-bit decode panels for one-token calls (half the bytes to read; 1.5x the blob),
-//   unless KVCOMP_DECODE_PANELS=0; a blob with or without them serves either way.
+//   weights also holds them as 16-bit decode panels for one-token calls (half the bytes to read; 1.5x the
+//   blob), unless KVCOMP_KERNELS=-panels; a blob with or without them serves either way.
 // - Host tensors only; a call on a CUDA device refuses a blob (the GPU reads the weights in place).
 // prepared_weights_size: the blob's size for these weights (bytes, header included).
 KVCOMP_API Status prepared_weights_size(const Tensor& wkv, const Tensor& wgate, std::size_t* bytes);
@@ -248,12 +255,13 @@ KVCOMP_API const char* kernel_isa();
 // "f32 (dnnl_sgemm)", or "f32 (dnnl_sgemm); 1-8 rows: kvcomp avx2" where
 // fp32 forward projections of 1-8 token rows (decode) run on kvcomp's own
 // AVX2 kernel, which gives each row sgemm's bits (checked once per process;
-// KVCOMP_ISA=scalar or KVCOMP_ROW_STABLE=0 turn it off); ", order probed per
+// KVCOMP_ISA=scalar or KVCOMP_KERNELS=-rows turn it off; calls without row_stable do not use it);
+// ", order probed per
 // shape" where oneDNN runs its AVX-512 sgemm, whose order depends on the shape
 // (a shape of unknown order keeps sgemm's padding rows). "kvcomp avx512_bf16":
 // on AVX512-BF16 without AMX (oneDNN reads B in place) the bf16 forward projections of 1-8 token
 // rows, of calls of 128 rows or more (the weights' panels written per call;
-// not under KVCOMP_DECODE_PANELS=0) and of calls with prepared weights run on
+// not under KVCOMP_KERNELS=-panels) and of calls with prepared weights run on
 // kvcomp's own kernel, which gives each row the bits of oneDNN's jit gemm.
 // KVCOMP_PRODUCTS=f32, or KVCOMP_ISA below avx512, keeps every product fp32.
 // Chosen once per process.
@@ -265,10 +273,10 @@ KVCOMP_API const char* product_kernels();
 // Calls on several threads at once add to the same totals. CUDA calls are not timed. Time outside
 // the phases (validation, planning, the workspace) is not counted.
 struct PhaseTime {
-  const char* op;       // "forward" or "backward"
-  const char* phase;    // "weights", "x rows", "products", "blocks", ... (docs/performance.md)
-  double seconds;       // summed over the timed calls since the last reset
-  std::int64_t calls;   // the timed calls of op since the last reset
+  const char* op;      // "forward" or "backward"
+  const char* phase;   // "weights", "x rows", "products", "blocks", ... (docs/performance.md)
+  double seconds;      // summed over the timed calls since the last reset
+  std::int64_t calls;  // the timed calls of op since the last reset
 };
 KVCOMP_API void set_phase_timing(bool on);
 // Every phase of both operators, in the order a call runs them, also those no call entered (0 s).

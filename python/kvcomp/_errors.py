@@ -36,3 +36,8 @@ class KvcompError(RuntimeError):
 
     def __str__(self):
         return f"{self.message} (status {self.code} {self.code_name})"
+
+
+def error(code, message):
+    """A KvcompError whose message is ``[kvcomp] `` + ``message`` (the sentence form of every refusal)."""
+    return KvcompError(code, "[kvcomp] " + message)

@@ -128,8 +128,8 @@ def _arg(a, name):
 def _cpu_torch_capsules(tensors):
     """What the core's binding is handed for ``tensors`` when every one is a CPU torch tensor or None:
     DLPack capsules of contiguous views (no copy when already contiguous), None kept; or None when
-    any is something else, which then takes the general path (_arg, _dl). About 0.7 us a tensor against
-    1.25 us through _arg (H = 256 decode calls, 2026-12-04): a forward hands over up to a dozen."""
+    any is something else, which then takes the general path (_arg, _dl). About half the cost of _arg
+    a tensor: a forward hands over up to a dozen."""
     torch = sys.modules.get("torch")
     if torch is None:
         return None
@@ -217,6 +217,7 @@ def compressor_forward(
     precision=None,
     num_threads=None,
     prepared_weights=None,
+    row_stable=True,
 ):
     """The Compressor forward (aclnnCompressor) on torch tensors or numpy arrays.
 
@@ -230,6 +231,10 @@ def compressor_forward(
         seqused, start_pos int32   [B], optional (whole sequences / all zero)
         prepared_weights   uint8   optional: ``prepare_weights(wkv, wgate)`` of these weights (CPU);
                                    skips converting / packing them in this call, same results
+
+    ``row_stable`` (default True): every token's outputs have the bits they have in any other call
+    holding that token (chunked prefill, context parallelism). False lets decode-sized CPU calls skip
+    the padding that guarantees it (faster; still deterministic); the CUDA backend ignores it.
 
     Returns:
         (cmp_kv, softmax_score, kv) of the kind of ``x`` (torch tensor or numpy array):
@@ -281,6 +286,7 @@ def compressor_forward(
         *opts,
         stream=_stream(xs),
         prepared_weights=prepared_,
+        row_stable=bool(row_stable),
     )
     return cmp_kv, softmax_score, kv
 
@@ -332,6 +338,7 @@ def compressor_grad(
     num_threads=None,
     fp32_weight_grads=False,
     float64_d_ape=False,
+    row_stable=True,
 ):
     """The CompressorGrad backward (aclnnCompressorGrad) on torch tensors or numpy arrays.
 
@@ -345,7 +352,7 @@ def compressor_grad(
         ``fp32_weight_grads=True``: an extension, CPU only, for fp32 master weights and for partial
         sums reduced before rounding), d_ape fp32 [r, C] (float64, the kernels' sums before their
         rounding to fp32, with ``float64_d_ape=True``: CPU only). No block at all gives four zero
-        outputs.
+        outputs. ``row_stable``: as for ``compressor_forward`` (pass the forward's).
 
     Raises:
         KvcompError: the call was rejected (``.code`` is the aclnn status); nothing was written.
@@ -375,6 +382,7 @@ def compressor_grad(
         _dl(d_ape),
         *opts,
         stream=_stream(xs),
+        row_stable=bool(row_stable),
     )
     if float64_d_ape:  # the core writes the float64 sums as hi + lo fp32 parts
         d_ape = d_ape[0].astype(np.float64) + d_ape[1] if isinstance(d_ape, np.ndarray) else \

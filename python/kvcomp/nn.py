@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from . import distributed as _cp
-from . import torch as _kt
+from . import _ops as _kt
 from ._errors import NULL_POINTER, KvcompError
 from ._functional import prepare_weights as _prepare_weights
 

@@ -28,6 +28,7 @@ import types
 
 import torch
 
+from . import _ops
 from ._errors import INVALID_PARAM, KvcompError
 
 __all__ = ["install_cann_ops_transformer", "main"]
@@ -35,18 +36,11 @@ __all__ = ["install_cann_ops_transformer", "main"]
 PACKAGE = "cann_ops_transformer"
 _MARK = "__kvcomp_stand_in__"  # set on the module objects made here, to tell them from a real package
 
-# Upstream schemas (spec 9): argument order, the three outputs, grad_enabled; state_cache is written
-# in place, which is declared here (upstream declares no mutation, spec 10 item 14).
-_FORWARD_SCHEMA = (
-    "_compressor_forward(Tensor x, Tensor wkv, Tensor wgate, Tensor(a!) state_cache, Tensor ape, "
-    "Tensor? state_block_table, Tensor? cu_seqlens, Tensor? seqused, Tensor? start_pos, int cmp_ratio, "
-    "int coff, int cache_mode, bool grad_enabled) -> (Tensor, Tensor, Tensor)"
-)
-_BACKWARD_SCHEMA = (
-    "_compressor_backward(Tensor dout, Tensor x, Tensor wkv, Tensor wgate, Tensor softmax_score, "
-    "Tensor kv, Tensor? cu_seqlens, Tensor? seqused, Tensor? start_pos, int cmp_ratio, int coff) "
-    "-> (Tensor, Tensor, Tensor, Tensor)"
-)
+# Upstream schemas: the first arguments of kvcomp's own operators (kvcomp._ops), whose names and order
+# are upstream's, the backward's gradient named ``dout``; state_cache is written in place, which is
+# declared here (upstream declares no mutation).
+_FORWARD_SCHEMA = _ops.FORWARD.schema("_compressor_forward", _ops.FORWARD_UPSTREAM)
+_BACKWARD_SCHEMA = _ops.BACKWARD.schema("_compressor_backward", _ops.BACKWARD_UPSTREAM, {"d_cmp_kv": "dout"})
 
 _library = None  # the torch.library.Library holding the two operators; alive for the process
 
@@ -82,21 +76,7 @@ def _check_no_real_package():
         raise _refusal(f"the installed package {PACKAGE}", _where(spec))
 
 
-def _forward(
-    x,
-    wkv,
-    wgate,
-    state_cache,
-    ape,
-    state_block_table,
-    cu_seqlens,
-    seqused,
-    start_pos,
-    cmp_ratio,
-    coff,
-    cache_mode,
-    grad_enabled,
-):
+def _forward(*args):
     """CompositeImplicitAutograd kernel of _compressor_forward: torch.ops.kvcomp.compressor_forward,
     plus compressor_grad_anchor when a gradient is needed, so that cmp_kv is differentiable (upstream
     registers its autograd on this operator; PyTorch allows that only on operators that mutate
@@ -107,24 +87,19 @@ def _forward(
     decides what is returned: the intermediates, or zeros of the same shape (the NPU leaves them
     unwritten), so the three outputs have upstream's shapes either way.
     """
-    from .torch import forward_with_gradient
-
-    cmp_kv, softmax_score, kv = forward_with_gradient(
-        x, wkv, wgate, state_cache, ape, state_block_table, cu_seqlens, seqused, start_pos, cmp_ratio, coff,
-        cache_mode, grad_enabled
-    )
-    if not grad_enabled:
-        block = tuple(cmp_kv.shape[:-1]) + (coff * cmp_ratio, cmp_kv.shape[-1])
-        softmax_score = x.new_zeros(block, dtype=torch.float32)
-        kv = x.new_zeros(block, dtype=torch.float32)
+    a = _ops.FORWARD.bind(args, {})
+    cmp_kv, softmax_score, kv = _ops.forward_with_gradient(*args)
+    if not a.grad_enabled:
+        block = tuple(cmp_kv.shape[:-1]) + (a.coff * a.cmp_ratio, cmp_kv.shape[-1])
+        softmax_score = a.x.new_zeros(block, dtype=torch.float32)
+        kv = a.x.new_zeros(block, dtype=torch.float32)
     return cmp_kv, softmax_score, kv
 
 
-def _backward(dout, x, wkv, wgate, softmax_score, kv, cu_seqlens, seqused, start_pos, cmp_ratio, coff):
-    """CompositeImplicitAutograd kernel of _compressor_backward: torch.ops.kvcomp.compressor_backward."""
-    return torch.ops.kvcomp.compressor_backward(
-        dout, x, wkv, wgate, softmax_score, kv, cu_seqlens, seqused, start_pos, cmp_ratio, coff
-    )
+def _backward(*args):
+    """CompositeImplicitAutograd kernel of _compressor_backward: torch.ops.kvcomp.compressor_backward
+    (the precision and profile in force at this call)."""
+    return torch.ops.kvcomp.compressor_backward(*args)
 
 
 def _register_ops():
@@ -138,8 +113,6 @@ def _register_ops():
     global _library
     if _library is not None:
         return
-    from . import torch as _kvcomp_torch  # noqa: F401  (registers torch.ops.kvcomp.*)
-
     namespace = getattr(torch.ops, PACKAGE)
     for name in ("_compressor_forward", "_compressor_backward"):
         if hasattr(namespace, name):
@@ -165,8 +138,6 @@ def _missing_attribute(module_name):
 
 
 def _make_module(name, is_package):
-    from . import torch as _kvcomp_torch
-
     module = types.ModuleType(
         name, f"kvcomp's stand-in for {name} (kvcomp.torch.install_cann_ops_transformer): compressor only."
     )
@@ -174,7 +145,7 @@ def _make_module(name, is_package):
     module.__package__ = PACKAGE
     if is_package:
         module.__path__ = []  # a package with no folder: unknown submodules fail to import, cleanly
-    module.compressor = _kvcomp_torch.compressor
+    module.compressor = _ops.compressor
     module.__all__ = ["compressor"]
     module.__getattr__ = _missing_attribute(name)
     setattr(module, _MARK, True)

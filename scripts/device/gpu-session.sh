@@ -10,7 +10,7 @@
 #                                  (8 processes x 2 OpenMP threads, stop at 420 s), `kvcomp info`
 #   2     measure    <= 400 s      what only a GPU can answer (docs/cuda-design.md, "First GPU run"):
 #                                  the demo at H = 4096 on the GPU with the tensor-core products and with
-#                                  the split-K switch (KVCOMP_CUDA_PRODUCTS=splitk), the bench at H = 20
+#                                  the split-K switch (KVCOMP_KERNELS=+splitk), the bench at H = 20
 #                                  and 4096 (cuBLASLt's algorithm for odd pitches, time per call)
 #   3     sanitize   <= 420 s      compute-sanitizer memcheck and racecheck over the small sweep, one
 #                                  process each (stop at 400 s)
@@ -56,7 +56,8 @@ case $phase in
     stamp "build (incremental)"
     LOG_DIR=$out timeout 200 bash $ondev --build-only >/dev/null || { stamp "build failed"; exit 1; }
     for products in tensor splitk; do
-      KVCOMP_CUDA_PRODUCTS=$products timeout 80 $kvcomp demo --device cuda --hidden 4096 --tokens 16384 \
+      kernels=""; [ "$products" = splitk ] && kernels=+splitk
+      KVCOMP_KERNELS=$kernels timeout 80 $kvcomp demo --device cuda --hidden 4096 --tokens 16384 \
         --repeat 3 >"$out/demo-h4096-$products.txt" 2>&1
       stamp "demo --device cuda H=4096 products=$products rc=$?"
       tail -22 "$out/demo-h4096-$products.txt"

@@ -7,7 +7,6 @@
 #include <new>
 
 #include "cpu/backend.hpp"
-#include "cpu/gemm_bf16.hpp"
 #include "cpu/isa.hpp"
 #include "cpu/phase_clock.hpp"
 #include "cpu/prepared.hpp"
@@ -100,8 +99,13 @@ struct PlanState {
   DevicePlanPtr device_plan;  // CUDA
   bool on_cuda() const { return args.x.device.type == DeviceType::cuda; }
 };
-struct ForwardPlanState : PlanState<ForwardArgs> {};
-struct BackwardPlanState : PlanState<BackwardArgs> {};
+// CPU: what planning decided about the call's products (cpu/backend.hpp), used by execute as it is.
+struct ForwardPlanState : PlanState<ForwardArgs> {
+  detail::ForwardDecision decision;
+};
+struct BackwardPlanState : PlanState<BackwardArgs> {
+  detail::BackwardDecision decision;
+};
 
 std::size_t ForwardPlan::workspace_size() const { return state_ ? state_->workspace : 0; }
 std::size_t BackwardPlan::workspace_size() const { return state_ ? state_->workspace : 0; }
@@ -145,7 +149,7 @@ Status make_plan(const Args& args, const Options& options, const char* op, Valid
       if (auto s = prepare(*st, bp); !s.ok()) return s;
     } else {
       st->threads = resolve_threads(options);
-      if (auto s = workspace_size(bp.dims, options, st->threads, &st->workspace); !s.ok()) return s;
+      if (auto s = workspace_size(*st, bp.dims, &st->workspace); !s.ok()) return s;
     }
     out = std::move(st);
     return Status::success();
@@ -339,8 +343,9 @@ Status plan_forward(const ForwardArgs& args, const Options& options, ForwardPlan
   if (!plan) return {StatusCode::null_pointer, "[kvcomp] plan must not be null"};
   return make_plan(
       args, options, "forward", validate_forward_call,
-      [&args](const detail::Dims& d, const Options&, int threads, std::size_t* size) {
-        return detail::forward_workspace_size(d, args.prepared_weights, threads, size);
+      [&args](ForwardPlanState& st, const detail::Dims& d, std::size_t* size) {
+        st.decision = detail::decide_forward(d, st.options);
+        return detail::forward_workspace_size(d, st.decision, args.prepared_weights, st.threads, size);
       },
       [](ForwardPlanState& st, const detail::BlockPlan& bp) {
 #ifdef KVCOMP_HAVE_CUDA
@@ -357,7 +362,11 @@ Status plan_forward(const ForwardArgs& args, const Options& options, ForwardPlan
 Status plan_backward(const BackwardArgs& args, const Options& options, BackwardPlan* plan) {
   if (!plan) return {StatusCode::null_pointer, "[kvcomp] plan must not be null"};
   return make_plan(
-      args, options, "backward", detail::validate_backward, detail::backward_workspace_size,
+      args, options, "backward", detail::validate_backward,
+      [](BackwardPlanState& st, const detail::Dims& d, std::size_t* size) {
+        st.decision = detail::decide_backward(d, st.options);
+        return detail::backward_workspace_size(d, st.decision, st.threads, size);
+      },
       [](BackwardPlanState& st, const detail::BlockPlan& bp) {
 #ifdef KVCOMP_HAVE_CUDA
         return detail::cuda::prepare_backward(st.args, st.options, bp, &st.device_plan, &st.workspace);
@@ -376,7 +385,7 @@ Status execute(ForwardPlan& plan, void* workspace, std::size_t workspace_size) {
                     if (st.on_cuda())
                       return detail::cuda::run_forward(st.args, st.options, bp, *st.device_plan, ws);
 #endif
-                    return detail::run_forward(st.args, bp, st.threads, ws, st.workspace);
+                    return detail::run_forward(st.args, bp, st.decision, st.threads, ws, st.workspace);
                   });
 }
 
@@ -387,8 +396,7 @@ Status execute(BackwardPlan& plan, void* workspace, std::size_t workspace_size) 
                     if (st.on_cuda())
                       return detail::cuda::run_backward(st.args, st.options, bp, *st.device_plan, ws);
 #endif
-                    return detail::run_backward(st.args, bp, st.options.precision, st.threads, ws,
-                                                st.workspace);
+                    return detail::run_backward(st.args, bp, st.decision, st.threads, ws, st.workspace);
                   });
 }
 

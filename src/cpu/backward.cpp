@@ -1,16 +1,20 @@
-#include <algorithm>
-#include <cmath>
-#include <cstring>
-#include <vector>
-
 #include <emmintrin.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "common/environment.hpp"
 #include "cpu/backend.hpp"
 #include "cpu/block_phases.hpp"
 #include "cpu/convert.hpp"
-#include "cpu/gemm.hpp"
-#include "cpu/gemm_bf16.hpp"
 #include "cpu/phase_clock.hpp"
+#include "cpu/products/config.hpp"
+#include "cpu/products/onednn_bf16.hpp"
+#include "cpu/products/onednn_f32.hpp"
 
 namespace kvcomp::detail {
 
@@ -23,11 +27,11 @@ struct BackwardBuffers {
   float* wcat = nullptr;              // [2C, ld_h]: wkv rows then wgate rows, fp32 (fp32 products)
   float* dwcat;                       // [2C (bf16: padded to a tile), ld_h]: d_wkv then d_wgate rows, fp32
   float* xf = nullptr;  // [R, ld_h]: the chunk's x rows in fp32, rows without gradient zeroed (fp32 products)
-  float* dnew = nullptr;  // [Rp, ld_c2]: d_new_kv | d_new_score (fp32 products only)
+  float* dnew = nullptr;    // [Rp, ld_c2]: d_new_kv | d_new_score (fp32 products only)
   float* dnew_t = nullptr;  // [2C, ld_r]: its transpose (oneDNN's transposed-A path runs at half speed)
   float* dxf;               // [Rp, ld_h]: d_x of the chunk before narrowing
   double* dape;             // [r, C]
-  // bf16 products (gemm_bf16.hpp), when the io dtype is bf16 and the CPU has bf16 units. d_new in
+  // bf16 products (products/onednn_bf16.hpp), when the io dtype is bf16 and the CPU has bf16 units. d_new in
   // bf16 as a high part and, in precise mode, a low part (d_new - hi, rounded), which the blocks
   // write themselves (no fp32 rows): both as the d_x product's A [Rp, ld_dn] and, transposed, as the
   // weight-gradient product's A [2Cp, ld_t].
@@ -39,7 +43,7 @@ struct BackwardBuffers {
   std::uint16_t* xb = nullptr;  // [R padded to a tile, H]: the chunk's x rows, rows without gradient zeroed
   std::uint16_t* wcat16 = nullptr;  // [2C, H]: wkv rows then wgate rows, the d_x product's B
   void* packed_w = nullptr;         // wcat16 packed, where the product wants B packed
-  void* packed_x = nullptr;  // xb as the weight-gradient product's B, likewise
+  void* packed_x = nullptr;         // xb as the weight-gradient product's B, likewise
   std::size_t packed_x_bytes = 0;
   std::size_t size;
 
@@ -51,20 +55,21 @@ struct BackwardBuffers {
   // [d_wkv ; d_wgate] += dnt . x: [2C, k] . [k, H], k the chunk's rows padded to a tile.
   Bf16Shape dw_shape(const Dims& d, std::int64_t k) const { return {d.H, k, ld_t, ld_h, d.H, false}; }
 
-  BackwardBuffers(const Dims& d, Precision precision, void* base) {
+  BackwardBuffers(const Dims& d, const BackwardDecision& call, void* base) {
     WorkspaceLayout ws(base);
     R = std::min(kChunkRows, std::max<std::int64_t>(d.T, 1));
-    // dnew and dxf hold the rows of the d_x product padded for row stability (gemm.hpp, gemm_bf16.hpp).
-    const std::int64_t Rp = std::max(gemm_row_capacity(R), bf16_padded_rows(R));
+    // dnew and dxf hold the rows of the d_x product padded for row stability (onednn_f32.hpp,
+    // onednn_bf16.hpp).
+    const std::int64_t Rp = std::max(gemm_row_capacity(call.tiling, R), bf16_padded_rows(R));
     ld_h = padded_ld(d.H);
     ld_c2 = padded_ld(2 * d.C);
     ld_r = padded_ld(R);
-    if (d.io == DType::bf16 && bf16_backward_products() &&
-        (precision == Precision::npu_parity || bf16_split_products())) {
+    if (products_16bit(call.path)) {
       ld_dn = padded_ld(2 * d.C);
       ld_t = padded_ld(bf16_padded_rows(R));
       c2p = bf16_padded_rows(2 * d.C);
-      const Bf16Plan w = bf16_plan(dx_shape(d)), x = bf16_plan(dw_shape(d, bf16_padded_rows(R)));
+      const Bf16Plan w = bf16_plan(call.bf16, dx_shape(d)),
+                     x = bf16_plan(call.bf16, dw_shape(d, bf16_padded_rows(R)));
       packed_x_bytes = x.packed_bytes;
       bf16 = true;
       ok = w.ok && x.ok;  // oneDNN could not make the products (out of memory)
@@ -72,7 +77,7 @@ struct BackwardBuffers {
       if (w.packed_bytes > 0) packed_w = ws.take<unsigned char>(static_cast<std::int64_t>(w.packed_bytes));
       if (packed_x_bytes > 0) packed_x = ws.take<unsigned char>(static_cast<std::int64_t>(packed_x_bytes));
       // The low part only in precise mode (npu_parity's d_new is bf16 already).
-      for (int part = 0; part < (precision == Precision::npu_parity ? 1 : 2); ++part) {
+      for (int part = 0; part < dnew_parts(call.path); ++part) {
         dn[part] = ws.take<std::uint16_t>(Rp * ld_dn);
         dnt[part] = ws.take<std::uint16_t>(c2p * ld_t);
       }
@@ -123,7 +128,7 @@ void transpose_8x8_u16(const std::uint16_t* src, std::int64_t ld_src, std::uint1
     t[k] = _mm_unpacklo_epi16(r[k], r[k + 1]);      // rows k, k+1 of columns 0-3, interleaved
     t[k + 1] = _mm_unpackhi_epi16(r[k], r[k + 1]);  // of columns 4-7
   }
-  for (int h = 0; h < 2; ++h) {  // h = 0: columns 0-3, 1: columns 4-7
+  for (int h = 0; h < 2; ++h) {                     // h = 0: columns 0-3, 1: columns 4-7
     u[4 * h] = _mm_unpacklo_epi32(t[h], t[h + 2]);  // rows 0-3 of two columns
     u[4 * h + 1] = _mm_unpackhi_epi32(t[h], t[h + 2]);
     u[4 * h + 2] = _mm_unpacklo_epi32(t[h + 4], t[h + 6]);  // rows 4-7 of the same columns
@@ -204,34 +209,67 @@ void zero_bytes(void* p, std::int64_t elements, std::size_t elem_size) {
 
 }  // namespace
 
-Status backward_workspace_size(const Dims& d, const Options& options, int /*num_threads*/,
+namespace {
+
+// The verbose report of a planned call (KVCOMP_VERBOSE=1): its path, its products' kernel, and why the
+// others were not taken.
+void report_backward(const Dims& d, const BackwardDecision& call, int num_threads) {
+  const ProductConfig& config = product_config();
+  std::string s = "[kvcomp] backward plan: " + std::to_string(d.T) + " rows, H " + std::to_string(d.H) +
+                  ", 2 x " + std::to_string(d.C) + " projection columns, " + dtype_name(d.io) + " io, " +
+                  std::to_string(num_threads) + " threads" +
+                  (call.tiling.row_stable ? "" : ", not row-stable") +
+                  "\n[kvcomp]   path: " + backward_path_name(call.path) + "; products: ";
+  if (products_16bit(call.path)) {
+    s += std::string("bf16 (") + (config.bf16_kernels.amx ? "kvcomp amx_bf16" : config.bf16_kernel.c_str()) +
+         ")";
+  } else {
+    s += "fp32 (dnnl_sgemm tiles); bf16 units not taken: ";
+    s += d.io != DType::bf16 ? "the io is not bf16"
+         : !config.bf16()    ? config.bf16_off.c_str()
+         : !config.bf16_backward
+             ? "slower than the fp32 FMAs on this CPU (AVX512-BF16 without AMX on Intel)"
+             : "precise needs two bf16 products, slower than fp32 here (KVCOMP_PRODUCTS=bf16 asks for them)";
+  }
+  std::fprintf(stderr, "%s\n", s.c_str());
+}
+
+}  // namespace
+
+BackwardDecision decide_backward(const Dims& d, const Options& options) {
+  const ProductConfig& config = product_config();
+  BackwardDecision call;
+  call.tiling = config.tiling(options.row_stable);
+  call.bf16 = config.bf16_kernels;
+  const bool parity = options.precision == Precision::npu_parity;
+  // 16-bit products where the io is bf16 and the bf16 units outrun fp32 for this mode: npu_parity's one
+  // product where they outrun the fp32 FMAs (bf16_backward), precise's two where even two do
+  // (bf16_split).
+  if (d.io == DType::bf16 && config.bf16() && config.bf16_backward && (parity || config.bf16_split))
+    call.path = parity ? BackwardPath::parity16 : BackwardPath::precise16;
+  else
+    call.path = parity ? BackwardPath::f32_rounded : BackwardPath::f32;
+  return call;
+}
+
+Status backward_workspace_size(const Dims& d, const BackwardDecision& call, int num_threads,
                                std::size_t* size) {
-  const BackwardBuffers buf(d, options.precision, nullptr);
+  const BackwardBuffers buf(d, call, nullptr);
   if (!buf.ok) return {StatusCode::runtime_error, kNoBf16Products};
+  if (verbose()) report_backward(d, call, num_threads);
   *size = buf.size;
   return Status::success();
 }
 
-Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision precision, int num_threads,
-                    void* workspace, std::size_t workspace_size) {
-  const Dims& d = plan.dims;
+namespace {
+
+// [wkv ; wgate] as the d_x product's B: one bf16 matrix (packed where the kernel wants), or fp32 rows.
+// Phase bwd_weights.
+Status stage_weights(const BackwardArgs& args, const Dims& d, const BackwardDecision& call,
+                     BackwardBuffers& buf, int num_threads) {
   const std::int64_t H = d.H, C = d.C;
-  const std::size_t io_size = dtype_size(d.io);
-  PhaseLaps laps(1);
-
-  if (plan.total_blocks == 0) {  // spec 2.7: four all-zero outputs, whatever the memory held
-    zero_bytes(args.d_x.data, args.d_x.numel(), io_size);
-    zero_bytes(args.d_wkv.data, args.d_wkv.numel(), dtype_size(args.d_wkv.dtype));
-    zero_bytes(args.d_wgate.data, args.d_wgate.numel(), dtype_size(args.d_wgate.dtype));
-    zero_bytes(args.d_ape.data, args.d_ape.numel(), sizeof(float));
-    laps.lap(Phase::bwd_outputs);
-    return Status::success();
-  }
-
-  BackwardBuffers buf(d, precision, WorkspaceLayout::align(workspace));
-  if (!buf.ok || buf.size > workspace_size) return {StatusCode::runtime_error, kNoBf16Products};
   if (buf.bf16) {
-    // [wkv ; wgate] as one matrix, the threads copying runs of rows (2 C H values, 16 MiB for C4A).
+    // The threads copy runs of rows (2 C H values, 16 MiB for C4A).
     const auto* wkv = static_cast<const std::uint16_t*>(args.wkv.data);
     const auto* wgate = static_cast<const std::uint16_t*>(args.wgate.data);
 #pragma omp parallel for num_threads(num_threads) schedule(static)
@@ -239,154 +277,157 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
       std::memcpy(buf.wcat16 + row * H, row < C ? wkv + row * H : wgate + (row - C) * H,
                   static_cast<std::size_t>(H) * sizeof(std::uint16_t));
     const Bf16PackJob job{buf.wcat16, buf.packed_w};
-    if (!bf16_pack_b(buf.dx_shape(d), &job, 1, num_threads))
+    if (!bf16_pack_b(call.bf16, buf.dx_shape(d), &job, 1, num_threads))
       return {StatusCode::runtime_error, "[kvcomp] oneDNN reorder of the bf16 weights failed"};
   } else {
     rows_to_f32(args.wkv.data, d.io, C, H, buf.wcat, buf.ld_h, num_threads);
     rows_to_f32(args.wgate.data, d.io, C, H, buf.wcat + C * buf.ld_h, buf.ld_h, num_threads);
   }
   std::fill(buf.dape, buf.dape + d.r * C, 0.0);
-  laps.lap(Phase::bwd_weights);
+  return Status::success();
+}
 
-  const BackwardBlockInputs in{args.d_cmp_kv.data, static_cast<const float*>(args.softmax_score.data),
-                               static_cast<const float*>(args.kv.data)};
-  const bool parity = precision == Precision::npu_parity;
-  // npu_parity's d_x product on the bf16 units may write the io rows itself (below).
-  bool dx_to_io = buf.bf16 && parity && bf16_c_rounds_like_f32(buf.dx_io_shape(d));
-  std::vector<char> mark(static_cast<std::size_t>(buf.R));
-  // The first chunk with gradient writes the weight-gradient accumulators,
-  // later ones add to them (chunks without gradient rows are skipped).
-  bool dw_written = false;
-  for (std::int64_t a = 0; a < d.T; a += kChunkRows) {
-    const std::int64_t b = std::min(d.T, a + kChunkRows), n = b - a;
-    mark_gradient_rows(plan, a, b, mark);
-    auto* dx_rows = static_cast<unsigned char*>(args.d_x.data) + static_cast<std::size_t>(a * H) * io_size;
-    if (std::none_of(mark.begin(), mark.begin() + n, [](char m) { return m != 0; })) {
-      zero_bytes(dx_rows, n * H, io_size);
-      laps.lap(Phase::bwd_outputs);
-      continue;
-    }
-    // Zeroed up to the padded row count of the d_x product (its padding rows stay zero), by the threads
-    // (8 MiB per chunk for C4A in fp32).
-    const std::int64_t n_pad = buf.bf16 ? bf16_padded_rows(n) : gemm_padded_rows(n, false);
+// d_new of the chunk's rows [a, b) and its share of d_ape, from the blocks (the softmax backward), into
+// d_new's rows zeroed up to n_pad (the d_x product's padded rows stay zero). Phase bwd_blocks.
+void chunk_blocks(const BlockPlan& plan, const BackwardBlockInputs& in, const BackwardDecision& call,
+                  BackwardBuffers& buf, std::int64_t a, std::int64_t b, std::int64_t n_pad, int num_threads) {
+  const std::int64_t C = plan.dims.C;
+  // Zeroed by the threads (8 MiB per chunk for C4A in fp32).
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (std::int64_t i = 0; i < n_pad; ++i) {
+    if (buf.bf16)
+      for (std::uint16_t* part : buf.dn)
+        if (part) std::fill(part + i * buf.ld_dn, part + i * buf.ld_dn + 2 * C, std::uint16_t{0});
+    if (buf.dnew) std::fill(buf.dnew + i * buf.ld_c2, buf.dnew + i * buf.ld_c2 + 2 * C, 0.0f);
+  }
+  backward_blocks(plan, in, a, b, buf.dnew, buf.dn[0], buf.dn[1], buf.bf16 ? buf.ld_dn : buf.ld_c2, buf.dape,
+                  rounds_dnew(call.path), num_threads);
+}
+
+// One chunk's products on the bf16 units: x as the weight-gradient product's B (bwd_x), d_new's parts
+// transposed (bwd_split), d_x rows (bwd_dx), [d_wkv ; d_wgate] (bwd_dw). *io_rows: the chunk's first rows
+// whose d_x the product wrote as io values itself (npu_parity), which the caller leaves alone;
+// *dx_to_io: whether it may, for the rest of the call.
+Status chunk_products_bf16(const Dims& d, const BackwardDecision& call, BackwardBuffers& buf,
+                           const std::uint16_t* xs, unsigned char* dx_rows, const std::vector<char>& mark,
+                           std::int64_t n, std::int64_t n_pad, bool dw_written, bool* dx_to_io,
+                           std::int64_t* io_rows, int num_threads, PhaseLaps& laps) {
+  const std::int64_t H = d.H, C = d.C;
+  // x as the weight-gradient product's B: where the chunk is whole tiles (training) and its rows without
+  // gradient are finite (rows_without_gradient_finite), x itself; else a copy with those rows zeroed
+  // (0 . inf would be NaN).
+  const std::uint16_t* xb = xs;
+  if (n != n_pad || !rows_without_gradient_finite(xs, H, mark, n, num_threads)) {
+    xb = buf.xb;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (std::int64_t i = 0; i < n_pad; ++i) {
-      if (buf.bf16)
-        for (std::uint16_t* part : buf.dn)
-          if (part) std::fill(part + i * buf.ld_dn, part + i * buf.ld_dn + 2 * C, std::uint16_t{0});
-      if (buf.dnew) std::fill(buf.dnew + i * buf.ld_c2, buf.dnew + i * buf.ld_c2 + 2 * C, 0.0f);
+      std::uint16_t* dst = buf.xb + i * H;
+      if (i < n && mark[static_cast<std::size_t>(i)])
+        std::memcpy(dst, xs + i * H, static_cast<std::size_t>(H) * sizeof(std::uint16_t));
+      else
+        std::fill(dst, dst + H, std::uint16_t{0});
     }
-    backward_blocks(plan, in, a, b, buf.dnew, buf.dn[0], buf.dn[1], buf.bf16 ? buf.ld_dn : buf.ld_c2,
-                    buf.dape, parity, num_threads);
-    laps.lap(Phase::bwd_blocks);
-
-    // x rows without gradient are zeroed so that 0 * Inf/NaN in them cannot
-    // leak into d_wkv / d_wgate (the NPU kernel does the same).
-    const auto* x_rows =
-        static_cast<const unsigned char*>(args.x.data) + static_cast<std::size_t>(a * H) * io_size;
-    // Rows [0, io_rows) of the chunk: d_x written by its product (bf16 npu_parity, below).
-    std::int64_t io_rows = 0;
-    if (buf.bf16) {
-      // x as the weight-gradient product's B: where the chunk is whole tiles (training) and its rows
-      // without gradient are finite (rows_without_gradient_finite), x itself; else a copy with those
-      // rows zeroed (0 . inf would be NaN). The copy cost a TH call's x rows 7 % of a C4Li backward.
-      const auto* xs = static_cast<const std::uint16_t*>(static_cast<const void*>(x_rows));
-      const std::uint16_t* xb = xs;
-      if (n != n_pad || !rows_without_gradient_finite(xs, H, mark, n, num_threads)) {
-        xb = buf.xb;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-        for (std::int64_t i = 0; i < n_pad; ++i) {
-          std::uint16_t* dst = buf.xb + i * H;
-          if (i < n && mark[static_cast<std::size_t>(i)])
-            std::memcpy(dst, xs + i * H, static_cast<std::size_t>(H) * sizeof(std::uint16_t));
-          else
-            std::fill(dst, dst + H, std::uint16_t{0});
-        }
-      }
-      const Bf16Shape dw = buf.dw_shape(d, n_pad);
-      const Bf16Plan dw_plan = bf16_plan(dw);
-      if (!dw_plan.ok || dw_plan.packed_bytes > buf.packed_x_bytes)
-        return {StatusCode::runtime_error,
-                "[kvcomp] oneDNN could not make the bf16 product of a short chunk"};
-      const Bf16PackJob job{xb, buf.packed_x};
-      if (!bf16_pack_b(dw, &job, 1, num_threads))
-        return {StatusCode::runtime_error, "[kvcomp] oneDNN reorder of x failed"};
-      laps.lap(Phase::bwd_x);
-      // hi (and lo in precise mode) of d_new, transposed.
-      const int parts = parity ? 1 : 2;
-      transpose_parts(n_pad, 2 * C, buf.dn, buf.ld_dn, buf.dnt, buf.c2p, buf.ld_t, parts, num_threads);
-      laps.lap(Phase::bwd_split);
-      // d_x rows = sum over parts of [dn_kv | dn_score] . [wkv ; wgate], hi then lo.
-      const Bf16Shape dx = buf.dx_shape(d);
-      const void* b_w = buf.packed_w ? buf.packed_w : buf.wcat16;
-      // npu_parity: the product writes the bf16 d_x rows of the chunk's whole tiles itself, oneDNN
-      // rounding each fp32 sum as it stores the tile: the bits of the narrowing below, without the
-      // fp32 rows' trip through memory (rows without gradient are zeroed below, as their d_new rows
-      // are 0 but a weight may be inf). The partial last tile: the fp32 rows. Where oneDNN cannot
-      // (no such product, or only its reference kernel): all fp32, for the rest of the call.
-      const std::int64_t whole_tiles = n / kBf16TileRows * kBf16TileRows;
-      if (dx_to_io && whole_tiles > 0) {
-        dx_to_io =
-            gemm_bf16(buf.dx_io_shape(d), whole_tiles, buf.dn[0], {{{b_w, dx_rows}}}, false, num_threads);
-        io_rows = dx_to_io ? whole_tiles : 0;
-      }
-      // Precise: hi and lo as one product of twice the K where the AMX kernel runs (gemm_bf16_two_parts).
-      const Bf16Target dx_target{b_w, buf.dxf + io_rows * buf.ld_h};
-      const std::int64_t dx_rows_left = n_pad - io_rows;
-      const std::uint16_t* dx_hi = buf.dn[0] + io_rows * buf.ld_dn;
-      const bool dx_ok =
-          io_rows >= n_pad ||
-          (parts == 2 ? gemm_bf16_two_parts(dx, dx_rows_left, dx_hi, buf.dn[1] + io_rows * buf.ld_dn,
-                                            {&dx_target, 1}, false, num_threads)
-                      : gemm_bf16(dx, dx_rows_left, dx_hi, {&dx_target, 1}, false, num_threads));
-      if (!dx_ok) return {StatusCode::runtime_error, "[kvcomp] oneDNN bf16 matmul for d_x failed"};
-      laps.lap(Phase::bwd_dx);
-      // [d_wkv ; d_wgate] += dnt . x, hi and lo likewise.
-      const Bf16Target dw_target{buf.packed_x ? buf.packed_x : xb, buf.dwcat};
-      const bool dw_ok =
-          parts == 2
-              ? gemm_bf16_two_parts(dw, buf.c2p, buf.dnt[0], buf.dnt[1], {&dw_target, 1}, dw_written,
-                                    num_threads)
-              : gemm_bf16(dw, buf.c2p, buf.dnt[0], {&dw_target, 1}, dw_written, num_threads);
-      if (!dw_ok)
-        return {StatusCode::runtime_error, "[kvcomp] oneDNN bf16 matmul for d_wkv/d_wgate failed"};
-      laps.lap(Phase::bwd_dw);
-    } else {
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-      for (std::int64_t i = 0; i < n; ++i) {
-        float* dst = buf.xf + i * buf.ld_h;
-        if (mark[static_cast<std::size_t>(i)])
-          to_f32(x_rows + static_cast<std::size_t>(i * H) * io_size, d.io, dst, H);
-        else
-          std::fill(dst, dst + H, 0.0f);
-      }
-      laps.lap(Phase::bwd_x);
-      // d_x rows = [d_new_kv | d_new_score] . [wkv ; wgate]
-      if (!gemm_f32(n_pad, H, 2 * C, {buf.dnew, buf.ld_c2, false}, {buf.wcat, buf.ld_h, false}, buf.dxf,
-                    buf.ld_h, false, num_threads))
-        return {StatusCode::runtime_error, "[kvcomp] oneDNN matmul for d_x failed"};
-      laps.lap(Phase::bwd_dx);
-      // [d_wkv ; d_wgate] += [d_new_kv | d_new_score]^T . x
-      transpose_blocks<4>(buf.dnew, n, 2 * C, buf.ld_c2, buf.dnew_t, buf.ld_r, num_threads,
-                          transpose_4x4_f32);
-      laps.lap(Phase::bwd_split);
-      if (!gemm_f32(2 * C, H, n, {buf.dnew_t, buf.ld_r, false}, {buf.xf, buf.ld_h, false}, buf.dwcat,
-                    buf.ld_h, dw_written, num_threads))
-        return {StatusCode::runtime_error, "[kvcomp] oneDNN matmul for d_wkv/d_wgate failed"};
-      laps.lap(Phase::bwd_dw);
-    }
-    dw_written = true;
-
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (std::int64_t i = 0; i < n; ++i) {
-      unsigned char* dst = dx_rows + static_cast<std::size_t>(i * H) * io_size;
-      if (!mark[static_cast<std::size_t>(i)])
-        zero_bytes(dst, H, io_size);
-      else if (i >= io_rows)
-        from_f32(buf.dxf + i * buf.ld_h, dst, d.io, H);
-    }
-    laps.lap(Phase::bwd_outputs);
   }
+  const Bf16Shape dw = buf.dw_shape(d, n_pad);
+  const Bf16Plan dw_plan = bf16_plan(call.bf16, dw);
+  if (!dw_plan.ok || dw_plan.packed_bytes > buf.packed_x_bytes)
+    return {StatusCode::runtime_error, "[kvcomp] oneDNN could not make the bf16 product of a short chunk"};
+  const Bf16PackJob job{xb, buf.packed_x};
+  if (!bf16_pack_b(call.bf16, dw, &job, 1, num_threads))
+    return {StatusCode::runtime_error, "[kvcomp] oneDNN reorder of x failed"};
+  laps.lap(Phase::bwd_x);
+  // hi (and lo in precise mode) of d_new, transposed.
+  const int parts = dnew_parts(call.path);
+  transpose_parts(n_pad, 2 * C, buf.dn, buf.ld_dn, buf.dnt, buf.c2p, buf.ld_t, parts, num_threads);
+  laps.lap(Phase::bwd_split);
+  // d_x rows = sum over parts of [dn_kv | dn_score] . [wkv ; wgate], hi then lo.
+  const Bf16Shape dx = buf.dx_shape(d);
+  const void* b_w = buf.packed_w ? buf.packed_w : buf.wcat16;
+  // npu_parity: the product writes the bf16 d_x rows of the chunk's whole tiles itself, oneDNN rounding
+  // each fp32 sum as it stores the tile: the bits of the narrowing in write_dx_rows, without the fp32
+  // rows' trip through memory (rows without gradient are zeroed there, as their d_new rows are 0 but a
+  // weight may be inf). The partial last tile: the fp32 rows. Where oneDNN cannot (no such product, or
+  // only its reference kernel): all fp32, for the rest of the call.
+  *io_rows = 0;
+  const std::int64_t whole_tiles = n / kBf16TileRows * kBf16TileRows;
+  if (*dx_to_io && whole_tiles > 0) {
+    *dx_to_io = gemm_bf16(call.bf16, buf.dx_io_shape(d), whole_tiles, buf.dn[0], {{{b_w, dx_rows}}}, false,
+                          num_threads);
+    *io_rows = *dx_to_io ? whole_tiles : 0;
+  }
+  // Precise: hi and lo as one product of twice the K where the AMX kernel runs (gemm_bf16_two_parts).
+  const Bf16Target dx_target{b_w, buf.dxf + *io_rows * buf.ld_h};
+  const std::int64_t dx_rows_left = n_pad - *io_rows;
+  const std::uint16_t* dx_hi = buf.dn[0] + *io_rows * buf.ld_dn;
+  const bool dx_ok =
+      *io_rows >= n_pad ||
+      (parts == 2 ? gemm_bf16_two_parts(call.bf16, dx, dx_rows_left, dx_hi, buf.dn[1] + *io_rows * buf.ld_dn,
+                                        {&dx_target, 1}, false, num_threads)
+                  : gemm_bf16(call.bf16, dx, dx_rows_left, dx_hi, {&dx_target, 1}, false, num_threads));
+  if (!dx_ok) return {StatusCode::runtime_error, "[kvcomp] oneDNN bf16 matmul for d_x failed"};
+  laps.lap(Phase::bwd_dx);
+  // [d_wkv ; d_wgate] += dnt . x, hi and lo likewise.
+  const Bf16Target dw_target{buf.packed_x ? buf.packed_x : xb, buf.dwcat};
+  const bool dw_ok =
+      parts == 2 ? gemm_bf16_two_parts(call.bf16, dw, buf.c2p, buf.dnt[0], buf.dnt[1], {&dw_target, 1},
+                                       dw_written, num_threads)
+                 : gemm_bf16(call.bf16, dw, buf.c2p, buf.dnt[0], {&dw_target, 1}, dw_written, num_threads);
+  if (!dw_ok) return {StatusCode::runtime_error, "[kvcomp] oneDNN bf16 matmul for d_wkv/d_wgate failed"};
+  laps.lap(Phase::bwd_dw);
+  return Status::success();
+}
+
+// The same on fp32 products: x rows in fp32, rows without gradient zeroed (bwd_x), d_x rows (bwd_dx),
+// d_new transposed (bwd_split), [d_wkv ; d_wgate] (bwd_dw).
+Status chunk_products_f32(const Dims& d, const BackwardDecision& call, BackwardBuffers& buf,
+                          const unsigned char* x_rows, const std::vector<char>& mark, std::int64_t n,
+                          std::int64_t n_pad, bool dw_written, int num_threads, PhaseLaps& laps) {
+  const std::int64_t H = d.H, C = d.C;
+  const std::size_t io_size = dtype_size(d.io);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (std::int64_t i = 0; i < n; ++i) {
+    float* dst = buf.xf + i * buf.ld_h;
+    if (mark[static_cast<std::size_t>(i)])
+      to_f32(x_rows + static_cast<std::size_t>(i * H) * io_size, d.io, dst, H);
+    else
+      std::fill(dst, dst + H, 0.0f);
+  }
+  laps.lap(Phase::bwd_x);
+  // d_x rows = [d_new_kv | d_new_score] . [wkv ; wgate]
+  if (!gemm_f32(call.tiling, n_pad, H, 2 * C, {buf.dnew, buf.ld_c2, false}, {buf.wcat, buf.ld_h, false},
+                buf.dxf, buf.ld_h, false, num_threads))
+    return {StatusCode::runtime_error, "[kvcomp] oneDNN matmul for d_x failed"};
+  laps.lap(Phase::bwd_dx);
+  // [d_wkv ; d_wgate] += [d_new_kv | d_new_score]^T . x (oneDNN's transposed-A path runs at half speed)
+  transpose_blocks<4>(buf.dnew, n, 2 * C, buf.ld_c2, buf.dnew_t, buf.ld_r, num_threads, transpose_4x4_f32);
+  laps.lap(Phase::bwd_split);
+  if (!gemm_f32(call.tiling, 2 * C, H, n, {buf.dnew_t, buf.ld_r, false}, {buf.xf, buf.ld_h, false}, buf.dwcat,
+                buf.ld_h, dw_written, num_threads))
+    return {StatusCode::runtime_error, "[kvcomp] oneDNN matmul for d_wkv/d_wgate failed"};
+  laps.lap(Phase::bwd_dw);
+  return Status::success();
+}
+
+// The chunk's d_x rows: narrowed from the fp32 rows where the product did not write them (rows from
+// io_rows on), zero where a row gets no gradient. Phase bwd_outputs.
+void write_dx_rows(const Dims& d, const BackwardBuffers& buf, const std::vector<char>& mark, std::int64_t n,
+                   std::int64_t io_rows, unsigned char* dx_rows, int num_threads) {
+  const std::size_t io_size = dtype_size(d.io);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (std::int64_t i = 0; i < n; ++i) {
+    unsigned char* dst = dx_rows + static_cast<std::size_t>(i * d.H) * io_size;
+    if (!mark[static_cast<std::size_t>(i)])
+      zero_bytes(dst, d.H, io_size);
+    else if (i >= io_rows)
+      from_f32(buf.dxf + i * buf.ld_h, dst, d.io, d.H);
+  }
+}
+
+// d_wkv, d_wgate (io dtype, or fp32) from their fp32 sums, and d_ape from its float64 sums (fp32, or hi
+// and lo parts). Phase bwd_outputs.
+void write_weight_grads(const BackwardArgs& args, const Dims& d, const BackwardBuffers& buf,
+                        int num_threads) {
+  const std::int64_t H = d.H, C = d.C;
   auto* dwkv = static_cast<unsigned char*>(args.d_wkv.data);
   auto* dwgate = static_cast<unsigned char*>(args.d_wgate.data);
   const DType w_dt = args.d_wkv.dtype;  // the io dtype, or fp32 (validated: the same for d_wgate)
@@ -402,6 +443,67 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, Precision p
     dape[i] = static_cast<float>(buf.dape[i]);
     if (parts) dape[d.r * C + i] = static_cast<float>(buf.dape[i] - static_cast<double>(dape[i]));
   }
+}
+
+}  // namespace
+
+Status run_backward(const BackwardArgs& args, const BlockPlan& plan, const BackwardDecision& call,
+                    int num_threads, void* workspace, std::size_t workspace_size) {
+  const Dims& d = plan.dims;
+  const std::size_t io_size = dtype_size(d.io);
+  PhaseLaps laps(1);
+
+  if (plan.total_blocks == 0) {  // no block at all: four all-zero outputs, whatever the memory held
+    zero_bytes(args.d_x.data, args.d_x.numel(), io_size);
+    zero_bytes(args.d_wkv.data, args.d_wkv.numel(), dtype_size(args.d_wkv.dtype));
+    zero_bytes(args.d_wgate.data, args.d_wgate.numel(), dtype_size(args.d_wgate.dtype));
+    zero_bytes(args.d_ape.data, args.d_ape.numel(), sizeof(float));
+    laps.lap(Phase::bwd_outputs);
+    return Status::success();
+  }
+
+  BackwardBuffers buf(d, call, WorkspaceLayout::align(workspace));
+  if (!buf.ok || buf.size > workspace_size) return {StatusCode::runtime_error, kNoBf16Products};
+  if (Status s = stage_weights(args, d, call, buf, num_threads); !s.ok()) return s;
+  laps.lap(Phase::bwd_weights);
+
+  const BackwardBlockInputs in{args.d_cmp_kv.data, static_cast<const float*>(args.softmax_score.data),
+                               static_cast<const float*>(args.kv.data)};
+  // npu_parity's d_x product on the bf16 units may write the io rows itself (chunk_products_bf16).
+  bool dx_to_io =
+      call.path == BackwardPath::parity16 && bf16_c_rounds_like_f32(call.bf16, buf.dx_io_shape(d));
+  std::vector<char> mark(static_cast<std::size_t>(buf.R));
+  // The first chunk with gradient writes the weight-gradient accumulators, later ones add to them
+  // (chunks without gradient rows are skipped).
+  bool dw_written = false;
+  for (std::int64_t a = 0; a < d.T; a += kChunkRows) {
+    const std::int64_t b = std::min(d.T, a + kChunkRows), n = b - a;
+    mark_gradient_rows(plan, a, b, mark);
+    auto* dx_rows = static_cast<unsigned char*>(args.d_x.data) + static_cast<std::size_t>(a * d.H) * io_size;
+    if (std::none_of(mark.begin(), mark.begin() + n, [](char m) { return m != 0; })) {
+      zero_bytes(dx_rows, n * d.H, io_size);
+      laps.lap(Phase::bwd_outputs);
+      continue;
+    }
+    const std::int64_t n_pad = buf.bf16 ? bf16_padded_rows(n) : gemm_padded_rows(call.tiling, n, false);
+    chunk_blocks(plan, in, call, buf, a, b, n_pad, num_threads);
+    laps.lap(Phase::bwd_blocks);
+    // x rows without gradient are zeroed so that 0 * Inf/NaN in them cannot leak into d_wkv / d_wgate
+    // (the NPU kernel does the same).
+    const auto* x_rows =
+        static_cast<const unsigned char*>(args.x.data) + static_cast<std::size_t>(a * d.H) * io_size;
+    std::int64_t io_rows = 0;  // rows [0, io_rows): d_x written by its product (bf16 npu_parity)
+    const Status s =
+        buf.bf16 ? chunk_products_bf16(
+                       d, call, buf, static_cast<const std::uint16_t*>(static_cast<const void*>(x_rows)),
+                       dx_rows, mark, n, n_pad, dw_written, &dx_to_io, &io_rows, num_threads, laps)
+                 : chunk_products_f32(d, call, buf, x_rows, mark, n, n_pad, dw_written, num_threads, laps);
+    if (!s.ok()) return s;
+    dw_written = true;
+    write_dx_rows(d, buf, mark, n, io_rows, dx_rows, num_threads);
+    laps.lap(Phase::bwd_outputs);
+  }
+  write_weight_grads(args, d, buf, num_threads);
   laps.lap(Phase::bwd_outputs);
   return Status::success();
 }

@@ -34,14 +34,15 @@ LocalRange local_range(const BatchSpan& s, std::int64_t a, std::int64_t b) {
 }
 
 float* cache_slot(const ForwardBlockIo& io, std::int64_t batch, std::int64_t pos, bool for_write) {
+  const CacheGeometry& c = io.cache;
   std::int64_t id;
-  if (io.cache_mode == 1) {
-    id = io.block_table[batch * io.table_cols + pos / io.block_size];
+  if (c.cache_mode == 1) {
+    id = c.table[batch * c.table_cols + pos / c.block_size];
     if (for_write && id == 0) return nullptr;  // block id 0: "do not write"
   } else {
-    id = io.block_table[batch];
+    id = c.table[batch];
   }
-  return io.cache + id * io.cache_stride0 + (pos % io.block_size) * io.slot_width;
+  return c.data + id * c.stride0 + (pos % c.block_size) * c.slot_width;
 }
 
 }  // namespace
@@ -141,7 +142,8 @@ BlockRange chunk_blocks(const Dims& dm, const BatchSpan& s, std::int64_t a, std:
 void write_slots(const ForwardBlockIo& io, const Dims& dm, const BatchSpan& s, std::int64_t batch,
                  std::int64_t a, std::int64_t b, std::int64_t lo, std::int64_t hi) {
   const LocalRange lr = local_range(s, a, b);
-  const std::int64_t write_from = io.cache_mode == 1 ? s.sp : std::max(s.sp, s.limit - (dm.coff - 1) * dm.r);
+  const std::int64_t write_from =
+      io.cache.cache_mode == 1 ? s.sp : std::max(s.sp, s.limit - (dm.coff - 1) * dm.r);
   for (std::int64_t tok = lr.lo; tok < std::min(lr.hi, s.used); ++tok) {
     const std::int64_t pos = s.sp + tok;
     if (pos < write_from) continue;
@@ -205,10 +207,10 @@ void forward_block(const ForwardBlockIo& io, const Dims& dm, const BatchSpan& s,
     // Softmax over the rows of the block, per column, in float64.
     float* s_out = io.softmax_score ? io.softmax_score + orow * cr * D + d0 : nullptr;
     float* k_out = io.kv ? io.kv + orow * cr * D + d0 : nullptr;
-    kern.block_softmax(sp.src_sc, sp.src_kv, cr, w, sp.e, s_out, k_out, D,
-                       static_cast<unsigned char*>(io.cmp_kv) + static_cast<std::size_t>(orow * D + d0) *
-                                                                    dtype_size(dm.io),
-                       dm.io);
+    kern.block_softmax(
+        sp.src_sc, sp.src_kv, cr, w, sp.e, s_out, k_out, D,
+        static_cast<unsigned char*>(io.cmp_kv) + static_cast<std::size_t>(orow * D + d0) * dtype_size(dm.io),
+        dm.io);
   }
 }
 
@@ -279,7 +281,7 @@ void forward_blocks(const BlockPlan& plan, const ForwardBlockIo& io, std::int64_
 
 int forward_block_threads(const Dims& d, int num_threads) {
   return d.T / d.r + d.B >= 2 * static_cast<std::int64_t>(num_threads) ? num_threads
-                                                                        : block_phase_threads(d, num_threads);
+                                                                       : block_phase_threads(d, num_threads);
 }
 
 int block_phase_threads(const Dims& d, int num_threads) {

@@ -44,13 +44,7 @@ struct ForwardBlockIo {
   std::int64_t proj_first = 0;
   std::int64_t proj_ld = 0;
   // State cache
-  float* cache = nullptr;
-  std::int64_t cache_stride0 = 0;  // elements
-  std::int64_t block_size = 0;
-  std::int64_t slot_width = 0;  // 2*C floats per slot: kv state then score state
-  const std::int32_t* block_table = nullptr;
-  std::int64_t table_cols = 1;
-  int cache_mode = 1;
+  CacheGeometry cache;
   // Outputs
   void* cmp_kv = nullptr;          // io dtype [out_rows, D]
   float* softmax_score = nullptr;  // may be null

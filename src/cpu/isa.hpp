@@ -18,7 +18,7 @@ bool cpu_has_f16c();
 // cpuid for the same reason.
 bool cpu_has_avx512_bf16();
 // Whether the CPU has AMX-TILE and AMX-BF16 and the OS saves the tile state (XCR0); a process still
-// asks Linux for the tile data before its first tile instruction (gemm_amx.hpp).
+// asks Linux for the tile data before its first tile instruction (products/amx.hpp).
 bool cpu_has_amx_bf16();
 // min(detected_isa(), KVCOMP_ISA); an unknown KVCOMP_ISA value is ignored
 // with a warning on stderr.

@@ -6,9 +6,10 @@
 
 #include "cpu/backend.hpp"
 #include "cpu/convert.hpp"
-#include "cpu/gemm.hpp"
-#include "cpu/gemm_bf16.hpp"
-#include "cpu/gemm_rows.hpp"
+#include "cpu/products/config.hpp"
+#include "cpu/products/onednn_bf16.hpp"
+#include "cpu/products/onednn_f32.hpp"
+#include "cpu/products/rows.hpp"
 
 namespace kvcomp::detail {
 
@@ -30,19 +31,19 @@ static_assert(sizeof(Header) <= kPreparedHeaderBytes);
 
 // FNV-1a of the product kernels' description (stable across runs of one build on one machine), up to
 // a "; " note: the AVX2 rows kernel ("; 1-8 rows: ...") reads the same fp32 rows as sgemm, so a blob
-// does not depend on whether it runs (KVCOMP_ISA, KVCOMP_ROW_STABLE).
+// does not depend on whether it runs (KVCOMP_ISA, -rows, a call's row stability).
 // Likewise without the AVX512-BF16 rows kernel's note (", 1-8 rows: ..."): it reads B where it lies or
 // the blob's optional panels, which give the same bits.
 std::uint64_t kernels_hash() {
   static const std::uint64_t hash = [] {
-    std::string k = product_kernels();
+    std::string k = product_config().description;
     k = k.substr(0, k.find(';'));
     const std::size_t note = k.find(", 1-8 rows");
     if (note != std::string::npos) k.erase(note, k.find(')', note) - note);
     std::uint64_t h = 1469598103934665603ull;
     for (const char ch : k) h = (h ^ static_cast<unsigned char>(ch)) * 1099511628211ull;
     return h;
-  }();  // product_kernels() is fixed for the process
+  }();  // fixed for the process
   return hash;
 }
 
@@ -51,8 +52,8 @@ std::size_t possible_bf16_panel_bytes(std::int64_t C, std::int64_t H) {
   return 2 * bf16_panel_elements(C, H) * sizeof(std::uint16_t);
 }
 
-// The decode panels' bytes that weights [C, H] of dtype io may have in an f32 blob (gemm.hpp), whether or
-// not this process writes them.
+// The decode panels' bytes that weights [C, H] of dtype io may have in an f32 blob (products/onednn_f32.hpp),
+// whether or not this process writes them.
 std::size_t possible_panel_bytes(DType io, std::int64_t C, std::int64_t H) {
   return (io == DType::bf16 || io == DType::f16) && C % 16 == 0
              ? static_cast<std::size_t>(2 * C * H) * sizeof(std::uint16_t)
@@ -75,8 +76,8 @@ void write_bf16_panels(const std::uint16_t* wkv, const std::uint16_t* wgate, std
   const std::int64_t groups = C / 16, items = (groups + kGroups - 1) / kGroups;
   const std::int64_t group = 32 * bf16_panel_pairs(H);
   const std::size_t per = bf16_panel_elements(C, H);
-#pragma omp parallel for num_threads(static_cast<int>(std::clamp<std::int64_t>(num_threads, 1, 2 * items))) \
-    schedule(static)
+#pragma omp parallel for num_threads( \
+    static_cast <int>(std::clamp <std::int64_t>(num_threads, 1, 2 * items))) schedule(static)
   for (std::int64_t i = 0; i < 2 * items; ++i) {
     const std::int64_t g0 = i % items * kGroups, n = 16 * (std::min(groups, g0 + kGroups) - g0);
     write_panels_avx512_bf16((i < items ? wkv : wgate) + 16 * g0 * H, H, n, H,
@@ -87,15 +88,17 @@ void write_bf16_panels(const std::uint16_t* wkv, const std::uint16_t* wgate, std
 Bf16Shape projection_shape(std::int64_t C, std::int64_t H) { return {C, H, H, padded_ld(2 * C), H, true}; }
 
 bool prepared_layout(DType io, std::int64_t C, std::int64_t H, PreparedLayout* out) {
-  if (io == DType::bf16 && bf16_product_kernel()) {
-    const Bf16Plan p = bf16_plan(projection_shape(C, H));
+  const ProductConfig& config = product_config();
+  if (io == DType::bf16 && config.bf16()) {
+    const Bf16Plan p = bf16_plan(config.bf16_kernels, projection_shape(C, H));
     if (!p.ok) return false;
-    const std::size_t panels = bf16_decode_panels_wanted() ? possible_bf16_panel_bytes(C, H) : 0;
+    const std::size_t panels = config.bf16_decode_panels ? possible_bf16_panel_bytes(C, H) : 0;
     *out = p.packed_bytes > 0 ? PreparedLayout{PreparedKind::packed, 2 * p.packed_bytes}
                               : PreparedLayout{PreparedKind::in_place, panels, panels};
     return true;
   }
-  const std::size_t panel_bytes = decode_panels_wanted(io == DType::f16) ? possible_panel_bytes(io, C, H) : 0;
+  const std::size_t panel_bytes =
+      config.decode_panels_for(io == DType::f16) ? possible_panel_bytes(io, C, H) : 0;
   *out = {PreparedKind::f32, static_cast<std::size_t>(2 * C * padded_ld(H)) * sizeof(float) + panel_bytes,
           panel_bytes};
   return true;
@@ -109,12 +112,12 @@ Status write_prepared(const Tensor& wkv, const Tensor& wgate, const PreparedLayo
     const Bf16PackJob jobs[] = {
         {static_cast<const std::uint16_t*>(wkv.data), data},
         {static_cast<const std::uint16_t*>(wgate.data), data + layout.data_bytes / 2}};
-    if (!bf16_pack_b(projection_shape(C, H), jobs, 2, num_threads))
+    if (!bf16_pack_b(product_config().bf16_kernels, projection_shape(C, H), jobs, 2, num_threads))
       return {StatusCode::runtime_error, "[kvcomp] oneDNN reorder of the bf16 weights failed"};
   } else if (layout.kind == PreparedKind::in_place && layout.panel_bytes > 0) {
     write_bf16_panels(static_cast<const std::uint16_t*>(wkv.data),
-                      static_cast<const std::uint16_t*>(wgate.data), C, H, reinterpret_cast<std::uint16_t*>(data),
-                      num_threads);
+                      static_cast<const std::uint16_t*>(wgate.data), C, H,
+                      reinterpret_cast<std::uint16_t*>(data), num_threads);
   } else if (layout.kind == PreparedKind::f32) {
     const std::int64_t ld = padded_ld(H);
     auto* w = reinterpret_cast<float*>(data);
@@ -155,7 +158,7 @@ Status check_prepared(const void* blob, std::size_t bytes, DType io, std::int64_
   PreparedLayout want;
   if (!prepared_layout(io, C, H, &want))
     return {StatusCode::runtime_error, "[kvcomp] oneDNN could not create the bf16 projection product"};
-  // Decode panels are optional (KVCOMP_DECODE_PANELS=0 where the blob was written, or here): a blob
+  // Decode panels are optional (KVCOMP_KERNELS=-panels where the blob was written, or here): a blob
   // with or without them serves, the forward reads them only where present.
   const std::size_t rows_bytes = want.data_bytes - want.panel_bytes;
   const bool panels_ok =
@@ -166,7 +169,7 @@ Status check_prepared(const void* blob, std::size_t bytes, DType io, std::int64_
   if (h.kernels != kernels_hash() || h.kind != static_cast<std::uint32_t>(want.kind) || !panels_ok ||
       h.data_bytes != rows_bytes + h.panel_bytes)
     return invalid(what + "must be prepared on this machine with these product kernels (" +
-                   std::string(product_kernels()) + "); prepare again");
+                   product_config().description + "); prepare again");
   if (bytes < kPreparedHeaderBytes + h.data_bytes)
     return invalid(what + "must hold its " + std::to_string(kPreparedHeaderBytes + h.data_bytes) + " bytes");
   return Status::success();

@@ -7,18 +7,20 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "cpu/gemm_bf16.hpp"
+#include "cpu/products/onednn_bf16.hpp"
 #include "kvcomp/kvcomp.hpp"
 
 namespace kvcomp::detail {
 
 // What the forward's products read the weights as, on this process's product kernels.
 enum class PreparedKind : std::uint32_t {
-  in_place = 0,  // bf16 units whose kernel reads B where it lies: nothing, or (bf16_decode_panels_wanted)
-                 // wkv's and wgate's AVX-512 decode panels (gemm_rows.hpp) for calls of any height
-  packed = 1,    // bf16 units with a packed layout (AMX): wkv then wgate, packed_bytes each
-  f32 = 2,       // fp32 products: [2C, padded_ld(H)] fp32, the wkv rows then the wgate rows; for bf16 or
-                 // fp16 weights where decode_panels_wanted() (gemm.hpp), then wkv's and wgate's decode panels
+  in_place =
+      0,  // bf16 units whose kernel reads B where it lies: nothing, or (ProductConfig::bf16_decode_panels)
+          // wkv's and wgate's AVX-512 decode panels (products/rows.hpp) for calls of any height
+  packed = 1,  // bf16 units with a packed layout (AMX): wkv then wgate, packed_bytes each
+  f32 = 2,     // fp32 products: [2C, padded_ld(H)] fp32, the wkv rows then the wgate rows; for bf16 or
+            // fp16 weights where ProductConfig::decode_panels (products/config.hpp), then wkv's and wgate's
+            // decode panels
 };
 
 // Bytes of the header in front of the prepared data (a multiple of 64, so the data keeps the
@@ -39,7 +41,7 @@ bool prepared_layout(DType io, std::int64_t C, std::int64_t H, PreparedLayout* o
 Status write_prepared(const Tensor& wkv, const Tensor& wgate, const PreparedLayout& layout, void* blob,
                       int num_threads);
 
-// The AVX-512 decode panels (gemm_rows.hpp) of one bf16 matrix [C, H]: elements, 0 unless C is a
+// The AVX-512 decode panels (products/rows.hpp) of one bf16 matrix [C, H]: elements, 0 unless C is a
 // multiple of 16.
 std::size_t bf16_panel_elements(std::int64_t C, std::int64_t H);
 // Writes the panels of wkv and wgate ([C, H] bf16, C a multiple of 16) into `panels`
@@ -58,7 +60,7 @@ Status check_prepared(const void* blob, std::size_t bytes, DType io, std::int64_
 
 // Where a blob that check_prepared accepted holds the two matrices: wkv's and wgate's data (fp32
 // rows or packed), both null for in_place; and their decode panels, null where the blob has none (a
-// blob written under KVCOMP_DECODE_PANELS=0 serves a process without it, and the other way round).
+// blob written under KVCOMP_KERNELS=-panels serves a process without it, and the other way round).
 struct PreparedView {
   const void* kv = nullptr;
   const void* gate = nullptr;

@@ -10,8 +10,8 @@ Status prepare_backward(const BackwardArgs& args, const Options& options, const 
   if (auto s = build_device_plan(plan, args.x.device, options.stream, kBackwardChunkRows, false, dp.get());
       !s.ok())
     return s;
-  *workspace =
-      BackwardBuffers(plan.dims, dnew_mode(plan.dims, options.precision), dp->max_chunk_blocks, nullptr).size;
+  dp->path = backward_path(plan.dims, options.precision);  // once, kept in the plan
+  *workspace = BackwardBuffers(plan.dims, dp->path, dp->max_chunk_blocks, nullptr).size;
   *out = std::move(dp);
   return Status::success();
 }
@@ -22,12 +22,10 @@ Status run_backward(const BackwardArgs& args, const Options& options, const Bloc
   if (!guard.status().ok()) return guard.status();
   if (auto s = check_execute_stream(options.stream); !s.ok()) return s;
   const Dims& d = plan.dims;
-  CudaExec ex{static_cast<cudaStream_t>(options.stream),
-              BackwardBuffers(d, dnew_mode(d, options.precision), dev.max_chunk_blocks,
-                              AlignedLayout<256>::align(workspace))
-                  .gemm_ws};
-  return run_backward_chunks(ex, args, plan, options.precision, dev, dev.dev_batches, dev.dev_block_batch,
-                             workspace);
+  CudaExec ex{
+      static_cast<cudaStream_t>(options.stream),
+      BackwardBuffers(d, dev.path, dev.max_chunk_blocks, AlignedLayout<256>::align(workspace)).gemm_ws};
+  return run_backward_chunks(ex, args, plan, dev.path, dev, dev.dev_batches, dev.dev_block_batch, workspace);
 }
 
 }  // namespace kvcomp::detail::cuda

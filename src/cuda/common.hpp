@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "common/backward_path.hpp"
 #include "cuda/backend.hpp"
 #include "cuda/chunk_plan.hpp"
 
@@ -59,6 +60,7 @@ struct DevicePlan : ChunkPlan {
   cudaStream_t stream = nullptr;
   DevBatch* dev_batches = nullptr;          // device copy of batches
   std::int32_t* dev_block_batch = nullptr;  // device copy of block_batch
+  BackwardPath path = BackwardPath::f32;    // a backward's staging of d_new, decided when planning
 
   DevicePlan() = default;
   DevicePlan(const DevicePlan&) = delete;

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "common/environment.hpp"
 #include "cuda/common.hpp"
 #include "cuda/gemm.hpp"
 
@@ -41,13 +42,7 @@ DeviceGuard::~DeviceGuard() {
     if (cudaSetDevice(previous_) != cudaSuccess) (void)cudaGetLastError();  // ours, unreported: cleared
 }
 
-bool split_k_products() {
-  static const bool on = [] {
-    const char* v = std::getenv("KVCOMP_CUDA_PRODUCTS");
-    return v && std::strcmp(v, "splitk") == 0;
-  }();
-  return on;
-}
+bool split_k_products() { return kernel_switches().split_k; }
 
 Status lt_handle(cublasLtHandle_t* out) {
   if (Status s = load_cublaslt(); !s.ok()) return s;

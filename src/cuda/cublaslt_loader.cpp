@@ -1,9 +1,9 @@
 // cuBLASLt, loaded when a CUDA call first needs it instead of when libkvcomp is loaded.
 //
 // libcublasLt is a 540 MB library whose loading touches about 100 MB of its pages: as a dependency
-// of libkvcomp it cost every process that loads kvcomp 70-80 ms and 140-200 MB of peak resident
-// memory (measured on a 2-core Xeon: `kvcomp --version` took 0.09-0.11 s at 214 MB, now under
-// 0.02 s at 7.6 MB), though a process that never runs a CUDA call never calls it. So libkvcomp
+// of libkvcomp it would cost every process that loads kvcomp tens of milliseconds and over 100 MB of
+// peak resident memory (docs/performance.md), though a process that never runs a CUDA call never
+// calls it. So libkvcomp
 // does not list it as a dependency. This file defines the eleven cuBLASLt functions the backend calls
 // (gemm.cu, context.cu), hidden in libkvcomp (and in the CLI, which compiles the same objects), each
 // forwarding to the real one; load_cublaslt() dlopens the library and resolves them, once per

@@ -64,9 +64,11 @@ struct ForwardBuffers {
   }
 };
 
-inline DnewMode dnew_mode(const Dims& d, Precision p) {
-  if (d.io == DType::f32) return DnewMode::f32;
-  return p == Precision::npu_parity ? DnewMode::parity16 : DnewMode::precise16;
+// The backward's path on the GPU: fp32 io stages d_new in fp32 (rounding it to fp32 changes nothing);
+// 16-bit io stages it in the io dtype, one part (npu_parity) or two (precise).
+inline BackwardPath backward_path(const Dims& d, Precision p) {
+  if (d.io == DType::f32) return BackwardPath::f32;
+  return p == Precision::npu_parity ? BackwardPath::parity16 : BackwardPath::precise16;
 }
 
 // precise16 keeps d_new as hi + lo / scale, both in the io dtype: scale is
@@ -87,15 +89,15 @@ struct BackwardBuffers {
   void* gemm_ws = nullptr;
   std::size_t size = 0;
 
-  BackwardBuffers(const Dims& d, DnewMode mode, std::int64_t max_chunk_blocks, void* base) {
+  BackwardBuffers(const Dims& d, BackwardPath mode, std::int64_t max_chunk_blocks, void* base) {
     AlignedLayout<256> ws(base);
     wcat = take_wcat(ws, d);
     R = std::min(kBackwardChunkRows, std::max<std::int64_t>(d.T, 1));
     dnew_ld = (2 * d.C + 7) / 8 * 8;  // 16-byte rows in any dtype
-    dnew_elem = mode == DnewMode::f32 ? sizeof(float) : dtype_size(d.io);
+    dnew_elem = products_16bit(mode) ? dtype_size(d.io) : sizeof(float);
     const auto dnew_bytes = static_cast<std::int64_t>(static_cast<std::size_t>(R * dnew_ld) * dnew_elem);
     dnew_hi = ws.take<unsigned char>(dnew_bytes);
-    dnew_lo = mode == DnewMode::precise16 ? ws.take<unsigned char>(dnew_bytes) : nullptr;
+    dnew_lo = mode == BackwardPath::precise16 ? ws.take<unsigned char>(dnew_bytes) : nullptr;
     xm = ws.take<unsigned char>(
         static_cast<std::int64_t>(static_cast<std::size_t>(R * d.H) * dtype_size(d.io)));
     dxf = ws.take<float>(R * d.H);
@@ -120,13 +122,14 @@ Status run_forward_chunks(Exec& ex, const ForwardArgs& args, const BlockPlan& pl
   p.panel = buf.panel;
   p.panel_ld = buf.panel_ld;
   p.ape = static_cast<const float*>(args.ape.data);
-  p.cache = static_cast<float*>(args.state_cache.data);
-  p.block_size = args.state_cache.dim(1);
-  p.block_num = args.state_cache.dim(0);
-  p.cache_stride0 = args.state_cache_stride0 ? args.state_cache_stride0 : p.block_size * 2 * d.C;
-  p.table = static_cast<const std::int32_t*>(args.state_block_table->data);
-  p.table_cols = args.cache_mode == 1 ? args.state_block_table->dim(1) : 1;
-  p.cache_mode = static_cast<int>(args.cache_mode);
+  const CacheGeometry cache = cache_geometry(args);  // the table: device memory, read by the kernels
+  p.cache = cache.data;
+  p.block_size = cache.block_size;
+  p.block_num = cache.block_num;
+  p.cache_stride0 = cache.stride0;
+  p.table = cache.table;
+  p.table_cols = cache.table_cols;
+  p.cache_mode = cache.cache_mode;
   p.cmp_kv = args.cmp_kv.data;
   p.softmax_score = args.grad_enabled ? static_cast<float*>(args.softmax_score.data) : nullptr;
   p.kv = args.grad_enabled ? static_cast<float*>(args.kv.data) : nullptr;
@@ -171,7 +174,7 @@ Status run_forward_chunks(Exec& ex, const ForwardArgs& args, const BlockPlan& pl
 
 // The backward of a validated call.
 template <typename Exec>
-Status run_backward_chunks(Exec& ex, const BackwardArgs& args, const BlockPlan& plan, Precision precision,
+Status run_backward_chunks(Exec& ex, const BackwardArgs& args, const BlockPlan& plan, BackwardPath mode,
                            const ChunkPlan& cp, const DevBatch* batches, const std::int32_t* block_batch,
                            void* workspace) {
   const Dims& d = plan.dims;
@@ -183,7 +186,6 @@ Status run_backward_chunks(Exec& ex, const BackwardArgs& args, const BlockPlan& 
   }
   const std::int64_t H = d.H, C = d.C;
   const std::size_t io_size = dtype_size(d.io);
-  const DnewMode mode = dnew_mode(d, precision);
   BackwardBuffers buf(d, mode, cp.max_chunk_blocks, AlignedLayout<256>::align(workspace));
   if (auto s = fill_wcat(ex, args, d, buf.wcat); !s.ok()) return s;
   if (auto s = ex.zero(buf.dwf, static_cast<std::size_t>(2 * C * H) * sizeof(float)); !s.ok()) return s;
@@ -203,7 +205,7 @@ Status run_backward_chunks(Exec& ex, const BackwardArgs& args, const BlockPlan& 
 
   void* parts[2] = {buf.dnew_hi, buf.dnew_lo};
   const float alphas[2] = {1.0f, 1.0f / p.lo_scale};
-  const int nparts = mode == DnewMode::precise16 ? 2 : 1;
+  const int nparts = mode == BackwardPath::precise16 ? 2 : 1;
 
   for (const Chunk& c : cp.chunks) {
     const std::int64_t n = c.b - c.a;

@@ -74,9 +74,7 @@ inline bool gemm_types_supported(DType in, DType out) {
 // multiplies B's view by A's view, each transpose flag kept. Refuses types
 // cuBLASLt has no kernel for, and leading dimensions shorter than a row.
 inline Status lt_call(const GemmCall& g, LtCall* out) {
-  auto refuse = [](const std::string& what) {
-    return Status{StatusCode::invalid_param, "[kvcomp] " + what};
-  };
+  auto refuse = [](const std::string& what) { return Status{StatusCode::invalid_param, "[kvcomp] " + what}; };
   if (!gemm_types_supported(g.in, g.out))
     return refuse(std::string("product output (= ") + dtype_name(g.out) + " from " + dtype_name(g.in) +
                   " inputs) must be fp32, or the inputs' 16-bit dtype");
@@ -101,7 +99,7 @@ inline Status lt_call(const GemmCall& g, LtCall* out) {
   return Status::success();
 }
 
-// Split-K over fixed K chunks (the switch KVCOMP_CUDA_PRODUCTS=splitk, for
+// Split-K over fixed K chunks (the switch KVCOMP_KERNELS=+splitk, for
 // the first GPU run to measure against the default): a product with an fp32
 // D and K > kSplitKChunk runs as one cuBLASLt call per chunk of kSplitKChunk
 // (the last one shorter), in K order, each adding its part to D in fp32 in
@@ -148,7 +146,7 @@ Status gemm(const GemmCall& g, void* workspace, std::size_t workspace_bytes, cud
 // shape, however often it runs (tests/cuda/test_gemm_cache.cpp).
 std::size_t lt_plans_made();
 
-// Whether the products run split-K (KVCOMP_CUDA_PRODUCTS=splitk; read once
+// Whether the products run split-K (KVCOMP_KERNELS=+splitk; read once
 // per process; anything else, or unset: one cuBLASLt call per product).
 bool split_k_products();
 

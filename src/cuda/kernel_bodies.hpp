@@ -202,13 +202,16 @@ KVCOMP_HD void zero_padding(const ForwardKernelArgs& p, i64 row, i64 d) {
 
 KVCOMP_HD void store_dnew(const BackwardKernelArgs& p, i64 at, float v) {
   switch (p.mode) {
-    case DnewMode::f32:
+    case BackwardPath::f32:
       static_cast<float*>(p.dnew_hi)[at] = v;
       break;
-    case DnewMode::parity16:
+    case BackwardPath::f32_rounded:  // the CPU's npu_parity on fp32 products (on the GPU: fp32 io only)
+      static_cast<float*>(p.dnew_hi)[at] = round_to(v, p.g.io);
+      break;
+    case BackwardPath::parity16:
       store_io(p.dnew_hi, at, p.g.io, v);
       break;
-    case DnewMode::precise16: {
+    case BackwardPath::precise16: {
       // v = hi + lo / lo_scale: hi is v rounded to io, the difference is exact
       // in fp32 and the power-of-two scale keeps lo's 16-bit mantissa clear of
       // the subnormal range. Where hi overflows to +-inf (fp16 from |v| >=

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 
+#include "common/backward_path.hpp"
 #include "cuda/chunk_plan.hpp"
 #include "cuda/gemm.hpp"
 
@@ -61,14 +62,12 @@ Status launch_cache_writes(const ForwardKernelArgs& p, std::int64_t row_lo, std:
 // Output rows that hold no block: zeros (cmp_kv, and S / K when given).
 Status launch_zero_padding(const ForwardKernelArgs& p, cudaStream_t s);
 
-enum class DnewMode { f32, parity16, precise16 };
-
 struct BackwardKernelArgs {
   Geometry g;
   const void* d_cmp_kv = nullptr;        // io dtype [out_rows, D]
   const float* softmax_score = nullptr;  // [out_rows, coff*r, D]
   const float* kv = nullptr;
-  DnewMode mode = DnewMode::f32;
+  BackwardPath mode = BackwardPath::f32;
   // d_new of the chunk rows [a, b): [b-a, ld] in fp32 (mode f32) or the io
   // dtype (hi; lo = (value - hi) * lo_scale for precise16).
   void* dnew_hi = nullptr;

@@ -108,6 +108,9 @@ CacheGeometry cache_geometry(const ForwardArgs& args, const std::int32_t* table)
   g.cache_mode = static_cast<int>(args.cache_mode);
   g.table = table;
   g.table_cols = args.cache_mode == 1 ? args.state_block_table->dim(1) : 1;
+  g.data = static_cast<float*>(args.state_cache.data);
+  g.slot_width = args.state_cache.dim(2);
+  g.stride0 = args.state_cache_stride0 ? args.state_cache_stride0 : g.block_size * g.slot_width;
   return g;
 }
 

@@ -53,12 +53,16 @@ struct BlockPlan {
 // order); plan.batches.size() if none.
 std::size_t first_batch_ending_after(const BlockPlan& plan, std::int64_t row);
 
-// Where the forward reads and writes the state cache (spec 1.3).
+// Where the forward reads and writes the state cache: the view both backends take of a call's
+// state_cache and state_block_table.
 struct CacheGeometry {
   std::int64_t block_num = 0, block_size = 0;
   int cache_mode = 1;                   // 1 paged, 2 ring
-  const std::int32_t* table = nullptr;  // host data of state_block_table
+  const std::int32_t* table = nullptr;  // the block table's data (host, or device memory on a GPU)
   std::int64_t table_cols = 1;          // cache_mode 1: columns of the table
+  float* data = nullptr;                // the cache: [block_num, block_size, slot_width] fp32
+  std::int64_t stride0 = 0;             // elements from one block to the next (dim 0 may be strided)
+  std::int64_t slot_width = 0;          // floats per slot: 2 C, the kv state then the score state
 };
 
 // Whether the forward of this plan writes a cache slot that it also reads or
@@ -68,9 +72,13 @@ struct CacheGeometry {
 // with it, the spec's order (batch after batch, a batch's writes before its
 // reads) decides. The plan and table must have passed validation.
 bool cache_slots_alias(const BlockPlan& plan, const CacheGeometry& cache);
-// The geometry of a forward call's cache, its block table read from `table` (host data of
-// args.state_block_table: the tensor itself, or a copy of device memory).
+// The geometry of a forward call's cache, its block table read from `table` (args.state_block_table's
+// data, or a host copy of device memory).
 CacheGeometry cache_geometry(const ForwardArgs& args, const std::int32_t* table);
+// The same with the table where the call's tensor holds it.
+inline CacheGeometry cache_geometry(const ForwardArgs& args) {
+  return cache_geometry(args, static_cast<const std::int32_t*>(args.state_block_table->data));
+}
 
 // Row source of slot (half c, slot t) of block k in batch span `bs`:
 // position p = k*r + t - (coff-1-c)*r. Fresh when p >= sp.

@@ -80,8 +80,12 @@ std::string machine_kind() {
   return v + "-x86";
 }
 
+// The configuration whose calls run without row stability.
+bool config_row_unstable() { return g_settings.config == "row_unstable"; }
+
 Options call_options(Precision precision = Precision::precise) {
   Options o;
+  o.row_stable = !config_row_unstable();
   o.num_threads = 2;
   o.precision = precision;
   return o;

@@ -161,8 +161,8 @@ TEST_F(PreparedRules, PreparingChecksItsArguments) {
 }
 
 // One-token calls with 16-bit weights (bf16; fp16 on CPUs with F16C) whose C is a multiple of 16 read the
-// blob's decode panels where it has them (AVX2 CPUs whose oneDNN runs AVX2 kernels, gemm.hpp): the
-// oracle's results, bitwise those of the call without the blob; spoiling the panels changes a one-token
+// blob's decode panels where it has them (AVX2 CPUs whose oneDNN runs AVX2 kernels, products/onednn_f32.hpp):
+// the oracle's results, bitwise those of the call without the blob; spoiling the panels changes a one-token
 // call (so they are what it reads) and leaves a two-token call alone (it reads the fp32 rows).
 SweepCase decode_case(std::int64_t B, std::int64_t H, std::int64_t D, std::int64_t coff,
                       std::vector<std::int32_t> start_pos) {
@@ -218,9 +218,8 @@ TEST(PreparedDecode, OneTokenCallsReadTheDecodePanels) {
                           (c.B == 1 || std::string(kernel_isa()) == "avx512");
         const bool probed = kernels.find("order probed per shape") != std::string::npos;
         const bool same = same_bits(plain.cmp_kv, prepared.cmp_kv);
-        const std::string what =
-            std::string(io == DType::f16 ? "fp16" : "bf16") + ", B = " + std::to_string(c.B) + ", D = " +
-            std::to_string(D);
+        const std::string what = std::string(io == DType::f16 ? "fp16" : "bf16") +
+                                 ", B = " + std::to_string(c.B) + ", D = " + std::to_string(D);
         if (!read)
           EXPECT_TRUE(same) << what;
         else if (!probed)
@@ -229,12 +228,14 @@ TEST(PreparedDecode, OneTokenCallsReadTheDecodePanels) {
           RecordProperty(what + ": panels read", same ? "no" : "yes");
       }
     }
-  if (!any_panels) GTEST_SKIP() << "this machine's prepared weights hold no decode panels (gemm.hpp)";
+  if (!any_panels)
+    GTEST_SKIP() << "this machine's prepared weights hold no decode panels (products/onednn_f32.hpp)";
 }
 
 // Decode calls of 1-8 tokens without prepared weights read 16-bit weights where they lie (bf16, and fp16
-// on CPUs with F16C, where the AVX2 rows kernel runs: gemm.hpp): the oracle's results, bitwise those of
-// the same call with prepared weights (fp32 rows or decode panels, converted once by prepare_weights).
+// on CPUs with F16C, where the AVX2 rows kernel runs: products/onednn_f32.hpp): the oracle's results, bitwise
+// those of the same call with prepared weights (fp32 rows or decode panels, converted once by
+// prepare_weights).
 TEST(PreparedDecode, RawSixteenBitWeightsGiveThePreparedBits) {
   for (const DType io : {DType::bf16, DType::f16})
     for (const std::int64_t B : {1, 3, 8})
@@ -257,9 +258,8 @@ TEST(PreparedDecode, RawSixteenBitWeightsGiveThePreparedBits) {
       }
 }
 
-
 // On more threads than column tiles of 256 (a small layer on a many-core machine), the decode products
-// cut the weights into narrower tiles (gemm_rows.hpp: dealt_tile_cols), down to 64 columns: C = 256
+// cut the weights into narrower tiles (products/rows.hpp: dealt_tile_cols), down to 64 columns: C = 256
 // gives 2 tiles of 256 on one thread and 8 of 64 on twelve. The oracle's results, bitwise those of the
 // one-thread call, with and without prepared weights, on the bf16 rows kernel (AVX512-BF16) and the
 // AVX2 one on 16-bit weights (fp16 io, or bf16 io without bf16 units).
@@ -289,13 +289,12 @@ TEST(PreparedDecode, ManyThreadsCutTheWeightsFinerWithTheSameBits) {
         o.num_threads = kManyThreads;
         const Status s = run(many, o);
         ASSERT_TRUE(s.ok()) << s.message;
-        const std::string what = std::string(io == DType::f16 ? "fp16" : "bf16") + ", B = " +
-                                 std::to_string(B) + (with_blob ? ", prepared" : "");
+        const std::string what = std::string(io == DType::f16 ? "fp16" : "bf16") +
+                                 ", B = " + std::to_string(B) + (with_blob ? ", prepared" : "");
         EXPECT_TRUE(same_bits(one.cmp_kv, many.cmp_kv)) << what;
         EXPECT_TRUE(same_bits(one.cache, many.cache)) << what;
       }
 }
-
 
 // A forward that names prepared weights plans no workspace for the form of the weights the blob holds
 // (fp32 rows, AMX's packed B or the AVX-512 panels of a long bf16 call; a long fp32-product call of depth
@@ -359,7 +358,8 @@ TEST_F(PreparedWorkspace, ALongFp32CallReadsTheBlobItself) {
   c.S = 1100;
   auto rc = make_random_case(c.options(), c.forward_seed);
   round_io_inputs(rc.in, c.io);
-  ForwardRun plain(rc.problem, rc.in, c.io), prepared(rc.problem, rc.in, c.io), stale(rc.problem, rc.in, c.io);
+  ForwardRun plain(rc.problem, rc.in, c.io), prepared(rc.problem, rc.in, c.io),
+      stale(rc.problem, rc.in, c.io);
   std::vector<unsigned char> blob, stale_blob;
   prepare(prepared, blob);
   prepare(stale, stale_blob);
@@ -396,7 +396,7 @@ TEST_F(PreparedWorkspace, ABlobSwappedForOneWithoutPanelsIsRefused) {
   ASSERT_TRUE(plan_forward(run.args, Options{}, &plan).ok());
   std::vector<unsigned char> ws(plan.workspace_size());
   // The same header without the panels (data and panel bytes 0), as prepare_weights writes it under
-  // KVCOMP_DECODE_PANELS=0: a valid blob, for which the call writes the panels into its workspace.
+  // KVCOMP_KERNELS=-panels: a valid blob, for which the call writes the panels into its workspace.
   std::vector<unsigned char> bare(blob.begin(), blob.begin() + 64);
   std::memset(bare.data() + 40, 0, 16);
   run.args.prepared_weights = bare.data();

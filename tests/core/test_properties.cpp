@@ -162,7 +162,7 @@ TEST(Determinism, DecodeBlocksDealtOrWalkedBitwiseEqual) {
 }
 
 // Rows of H = 200 and C = 80 span more than one 64-column block of oneDNN's packed layout, so where B is
-// packed (AMX, KVCOMP_BF16_PACKED=1) a call with more threads than matrices packs them in column slices
+// packed (AMX, KVCOMP_KERNELS=+packed) a call with more threads than matrices packs them in column slices
 // (bf16_pack_b), and every slice must land where one whole reorder puts it.
 TEST(Determinism, WideBf16CallsBitwiseAcrossThreadCounts) {
   RandomOptions opts;

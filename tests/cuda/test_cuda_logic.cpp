@@ -21,8 +21,9 @@
 namespace kvcomp::test {
 namespace {
 
-using ::kvcomp::detail::BlockPlan;
+using ::kvcomp::detail::BackwardPath;
 using ::kvcomp::detail::bf16_to_f32;
+using ::kvcomp::detail::BlockPlan;
 using ::kvcomp::detail::f32_to_bf16;
 using namespace ::kvcomp::detail::cuda;
 using i64 = std::int64_t;
@@ -61,7 +62,7 @@ Status emulate_plain(const GemmCall& g) {
 }
 
 struct HostExec {
-  i64 split = 0;       // > 0: products split-K over chunks of this many (as KVCOMP_CUDA_PRODUCTS=splitk does)
+  i64 split = 0;       // > 0: products split-K over chunks of this many (as KVCOMP_KERNELS=+splitk does)
   bool plain = false;  // every product by the plain kernel (as if cuBLASLt had no algorithm for any)
   Status gemm(const GemmCall& g) {
     auto one = [this](const GemmCall& x) { return plain ? emulate_plain(x) : emulate_lt(x); };
@@ -149,11 +150,11 @@ Status emulate(BackwardRun& r, const Options& o, i64 split = 0, bool plain = fal
   if (auto s = ::kvcomp::detail::validate_backward(r.args, o, &bp); !s.ok()) return s;
   const ChunkPlan cp = make_chunk_plan(bp, kBackwardChunkRows, false);
   const std::size_t bytes =
-      BackwardBuffers(bp.dims, dnew_mode(bp.dims, o.precision), cp.max_chunk_blocks, nullptr).size;
+      BackwardBuffers(bp.dims, backward_path(bp.dims, o.precision), cp.max_chunk_blocks, nullptr).size;
   auto ws = workspace(bytes);
   HostExec ex{split, plain};
-  return run_backward_chunks(ex, r.args, bp, o.precision, cp, cp.batches.data(), cp.block_batch.data(),
-                             ws.get());
+  return run_backward_chunks(ex, r.args, bp, backward_path(bp.dims, o.precision), cp, cp.batches.data(),
+                             cp.block_batch.data(), ws.get());
 }
 
 std::vector<std::uint8_t> bytes_of(Buffer& b) {
@@ -238,7 +239,7 @@ TEST(CudaLogicPrecise, Fp16OverflowGivesInfNotNan) {
     std::uint16_t hi[2] = {0, 0}, lo[2] = {0, 0};  // 4 bytes: load_io's fp32 branch stays in bounds
     BackwardKernelArgs p;
     p.g.io = io;
-    p.mode = DnewMode::precise16;
+    p.mode = BackwardPath::precise16;
     p.dnew_hi = hi;
     p.dnew_lo = lo;
     p.lo_scale = lo_scale(io);

@@ -1,4 +1,4 @@
-// kvcomp's AMX product kernel (src/cpu/gemm_amx.hpp), single-threaded as gemm_bf16 runs each block:
+// kvcomp's AMX product kernel (src/cpu/products/amx.hpp), single-threaded as gemm_bf16 runs each block:
 // against the float64 sums, row and column stability (an element's bits do not depend on the rows or
 // column groups of its call), the three ways of storing C, a second A on the same B, the packing of B
 // in slices, strides and the tails of M, N and K. Where the CPU or the OS gives no AMX tiles it
@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "common/numerics.hpp"
-#include "cpu/gemm_amx.hpp"
+#include "cpu/products/amx.hpp"
 
 namespace kvcomp::detail {
 namespace {
@@ -193,16 +193,14 @@ std::string shape_name(const ::testing::TestParamInfo<Shape>& p) {
   return name.append(p.param.b_transposed ? "_bt" : "_b");
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, GemmAmx,
-                         ::testing::Values(Shape{1, 1, 1, true}, Shape{1, 16, 32, true},
-                                           Shape{3, 17, 33, false}, Shape{16, 32, 64, true},
-                                           Shape{17, 48, 31, true}, Shape{31, 40, 95, false},
-                                           Shape{33, 64, 1, true}, Shape{70, 50, 257, false},
-                                           Shape{64, 160, 1003, true}, Shape{5, 272, 4096, true},
-                                           Shape{48, 33, 100, false}, Shape{57, 300, 2050, true},
-                                           Shape{130, 40, 300, true}, Shape{256, 20, 64, false},
-                                           Shape{257, 17, 40, true}),
-                         shape_name);
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, GemmAmx,
+    ::testing::Values(Shape{1, 1, 1, true}, Shape{1, 16, 32, true}, Shape{3, 17, 33, false},
+                      Shape{16, 32, 64, true}, Shape{17, 48, 31, true}, Shape{31, 40, 95, false},
+                      Shape{33, 64, 1, true}, Shape{70, 50, 257, false}, Shape{64, 160, 1003, true},
+                      Shape{5, 272, 4096, true}, Shape{48, 33, 100, false}, Shape{57, 300, 2050, true},
+                      Shape{130, 40, 300, true}, Shape{256, 20, 64, false}, Shape{257, 17, 40, true}),
+    shape_name);
 
 }  // namespace
 }  // namespace kvcomp::detail

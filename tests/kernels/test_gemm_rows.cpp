@@ -1,4 +1,4 @@
-// The AVX2 kernel for products of 1-8 rows (src/cpu/gemm_rows.hpp) against oneDNN's sgemm: every row
+// The AVX2 kernel for products of 1-8 rows (src/cpu/products/rows.hpp) against oneDNN's sgemm: every row
 // it computes must carry the bits sgemm gives the same row inside a long call (a 192-row tile, the
 // rows of a prefill), for every K, column count and row position, in the K blocks of the sgemm that
 // runs (AVX2 or AVX-512). ctest runs this twice on one thread (as gemm_f32 calls sgemm):
@@ -19,8 +19,8 @@
 #include <utility>
 #include <vector>
 
-#include "cpu/gemm_rows.hpp"
 #include "cpu/isa.hpp"
+#include "cpu/products/rows.hpp"
 #include "kvcomp/half.hpp"
 
 namespace kvcomp::detail {
@@ -37,7 +37,7 @@ const bool kSetUp = [] {
   return true;
 }();
 
-// The orders (gemm_rows.hpp) the sgemm oneDNN runs here may take: the AVX2 one on its AVX2 kernels,
+// The orders (products/rows.hpp) the sgemm oneDNN runs here may take: the AVX2 one on its AVX2 kernels,
 // the two AVX-512 ones on its AVX-512 kernels (which one a shape takes is not known in advance: the
 // library probes it, as the tests below do), none on neither.
 std::vector<SgemmOrder> candidate_orders() {
@@ -151,9 +151,9 @@ TEST(GemmRows, EveryRowEqualsItsRowInALongSgemmCall) {
   std::normal_distribution<float> normal;
   constexpr i64 long_rows = 192;
   OrderCount count;
-  for (const i64 k : {1,   2,   3,    4,    7,    16,   17,   96,   255,  256,  257,  300,  384,  385,  511,
-                      512, 513, 600,  768,  769,  777,  1000, 1003, 1024, 1025, 1152, 1153, 1536, 2000,
-                      4096, 4099, 7168}) {
+  for (const i64 k :
+       {1,   2,   3,   4,   7,   16,   17,   96,   255,  256,  257,  300,  384,  385,  511,  512,
+        513, 600, 768, 769, 777, 1000, 1003, 1024, 1025, 1152, 1153, 1536, 2000, 4096, 4099, 7168}) {
     for (const i64 n : {16, 48, 256}) {
       const i64 lda = k + 3, ldb = k + 16 + (k % 5), ldc = n + 8;
       std::vector<float> a(long_rows * lda), b(n * ldb), ref(long_rows * ldc), out(kRowsKernelMax * ldc);
@@ -246,7 +246,7 @@ TEST(GemmRows, Fp16WeightsGiveTheBitsOfTheWidenedOnes) {
   check_16bit_weights(true);
 }
 
-// Decode panels, laid out here from their description in gemm_rows.hpp (not by the library's writer):
+// Decode panels, laid out here from their description in products/rows.hpp (not by the library's writer):
 // panels of 64 columns (the last one narrower), K-major, each 16 columns in the order 0-3, 8-11, 4-7,
 // 12-15. One row against the same long sgemm call on the widened weights, at three row positions, for
 // every panel width (16, 48, 64, 64 + 16, 3 x 64 + 16, 4 x 64) and K of each sgemm_k_blocks branch;

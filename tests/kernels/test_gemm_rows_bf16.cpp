@@ -1,5 +1,5 @@
 // The AVX512-BF16 kernel for bf16 products of 1-8 rows, and of any number on decode panels
-// (src/cpu/gemm_rows.hpp), against oneDNN's jit gemm:
+// (src/cpu/products/rows.hpp), against oneDNN's jit gemm:
 // every row it computes must carry the bits the jit gemm gives the same row inside a long call (a
 // 256-row tile of a prefill), for every K, column count and row position, on one thread as gemm_bf16
 // calls it. On AMX machines oneDNN is capped at its AVX512-BF16 kernels for the whole process: its jit
@@ -17,8 +17,8 @@
 #include <utility>
 #include <vector>
 
-#include "cpu/gemm_rows.hpp"
 #include "cpu/isa.hpp"
+#include "cpu/products/rows.hpp"
 #include "kvcomp/half.hpp"
 
 namespace kvcomp::detail {
@@ -84,9 +84,9 @@ TEST(GemmRowsBf16, EveryRowEqualsItsRowInALongCall) {
   std::normal_distribution<float> normal;
   constexpr i64 long_rows = 256;
   int tested = 0;
-  for (const i64 k : {1, 2, 3, 31, 32, 33, 96, 255, 384, 385, 386, 513, 769, 1003, 1536, 1537, 2000, 4096,
-                      4099, 7168}) {
-    for (const i64 n : {16, 48, 80, 256}) {  // 80: four groups and one
+  for (const i64 k :
+       {1, 2, 3, 31, 32, 33, 96, 255, 384, 385, 386, 513, 769, 1003, 1536, 1537, 2000, 4096, 4099, 7168}) {
+    for (const i64 n : {16, 48, 80, 256}) {                       // 80: four groups and one
       const i64 lda = k + 3, ldb = k + (k % 5), ldc = 2 * n + 8;  // C strided, as the projections'
       std::vector<std::uint16_t> a(long_rows * lda), b(n * ldb);
       // Each row of A its own scale, so that sums cancel at different magnitudes.
@@ -152,8 +152,8 @@ TEST(GemmRowsBf16, PanelsGiveTheBitsOfTheRows) {
         if (n > 16) {  // columns [16, n) from the second group on
           gemm_rows_avx512_bf16_panels(m, n - 16, k, a.data(), lda, panels.data() + group, got.data(), ldc);
           for (i64 i = 0; i < m; ++i)
-            ASSERT_EQ(
-                std::memcmp(got.data() + i * ldc, want.data() + i * ldc + 16, (n - 16) * sizeof(float)), 0)
+            ASSERT_EQ(std::memcmp(got.data() + i * ldc, want.data() + i * ldc + 16, (n - 16) * sizeof(float)),
+                      0)
                 << "K " << k << ", columns 16.." << n << ", " << m << " rows: row " << i;
         }
       }

@@ -3,8 +3,9 @@ sequences of 1 to 4 tokens, start_pos at every offset modulo r (so calls where n
 every sequence closes a block), paged and ring caches, BSH and TH, C4A-like (r = 4, coff = 2) and
 C128A-like (r = 128, coff = 1) blocks. Each call is judged like the torch-operator sweep: cmp_kv within
 one io ulp of the correctly rounded truth (plus fp32-level error at the tensor's scale), written cache
-slots within 1e-5 of the truth's scale and every other slot untouched, bit for bit. ctest runs this file
-with the machine's own products and again with every product fp32 (KVCOMP_PRODUCTS=f32)."""
+slots within 1e-5 of the truth's scale and every other slot untouched, bit for bit; with row stability and
+without it (row_stable=False, decode-bound serving: the products take the rows as they are). ctest runs
+this file with the machine's own products and again with every product fp32 (KVCOMP_PRODUCTS=f32)."""
 
 import pytest
 import torch
@@ -36,15 +37,19 @@ def _check(case, out, cache):
 @pytest.mark.parametrize("cache_mode", [1, 2])
 @pytest.mark.parametrize("th", [False, True])
 @pytest.mark.parametrize("B,tokens", [(1, 1), (7, 1), (64, 1), (256, 1), (8, 2), (8, 3), (16, 4)])
-def test_decode_against_the_oracle(r, coff, cache_mode, th, B, tokens):
+@pytest.mark.parametrize("row_stable", [True, False])
+def test_decode_against_the_oracle(r, coff, cache_mode, th, B, tokens, row_stable):
     offsets = range(r) if B == 1 and r <= 8 else [0, r - tokens, r - 1]
     for offset in offsets:
         sp = _starts(B, r, 1000 if r < 128 else 1024, offset)
         case = make_case(lens=[tokens] * B, H=H, D=D, r=r, coff=coff, start_pos=sp, th=th,
                          cache_mode=cache_mode, dtype="bf16", seed=B * 131 + tokens * 7 + offset)
         cache = case.state_cache.clone()
+        kw = case.kwargs()
         with torch.no_grad():
-            out = kt.compressor(case.x, case.wkv, case.wgate, cache, case.ape, r, **case.kwargs())
+            out, _, _ = kt.forward_with_gradient(
+                case.x, case.wkv, case.wgate, cache, case.ape, kw["state_block_table"], kw.get("cu_seqlens"),
+                kw.get("seqused"), kw.get("start_pos"), r, coff, cache_mode, False, row_stable=row_stable)
         _check(case, out, cache)
 
 
@@ -54,7 +59,7 @@ def test_decode_against_the_oracle(r, coff, cache_mode, th, B, tokens):
 def test_prepared_weights_against_the_oracle(dtype, r, coff, cache_mode, th, B):
     """A server prepares its weights once (kvcomp.prepare_weights) and names them in every decode
     call: the oracle's results, and bitwise those of the same call without them (B = 1: one token,
-    which reads the blob's decode panels where it has them, src/cpu/gemm.hpp)."""
+    which reads the blob's decode panels where it has them, src/cpu/products/onednn_f32.hpp)."""
     import kvcomp
 
     for offset in [0, r - 1]:
@@ -81,7 +86,7 @@ def test_prepared_weights_against_the_oracle(dtype, r, coff, cache_mode, th, B):
 @pytest.mark.parametrize("B,tokens", [(3, 1), (12, 1), (16, 4), (50, 3), (70, 3)])
 def test_raw_weights_give_the_prepared_bits(dtype, Dh, coff, B, tokens):
     """A call without prepared weights of one row tile (decode-sized: 9 to 192 rows on AVX2) widens its
-    weights to fp32 column tile by column tile (src/cpu/gemm.hpp, gemm_f32_widening), a longer one
+    weights to fp32 column tile by column tile (src/cpu/products/onednn_f32.hpp, gemm_f32_widening), a longer one
     (210 rows) all at once: either gives bitwise the results of the prepared fp32 weights, also where
     C is no multiple of 16 (C = 300: partial 16-column groups, a column tile across wkv and wgate) and
     for 3 rows there (the few-rows kernel on whole groups, sgemm on the rest)."""

@@ -1,4 +1,4 @@
-"""The CPU's matrix-product kernels (src/cpu/gemm_bf16.hpp). Where the CPU has bf16 dot-product units
+"""The CPU's matrix-product kernels (src/cpu/products/onednn_bf16.hpp). Where the CPU has bf16 dot-product units
 (AMX-BF16, AVX512-BF16) the products of bf16 calls run on them through oneDNN's matmul by default: the
 forward projections, the npu_parity backward (d_new is bf16 already) where the units outrun fp32 (AMX,
 AMD's AVX512-BF16; not Intel's without AMX), and the precise backward as hi + lo bf16 parts where that is
@@ -39,15 +39,15 @@ AMD = _cpuinfo("vendor_id") == ["AuthenticAMD"]
 HAS_BF16_UNITS = bool(FLAGS & {"amx_bf16", "avx512_bf16"})
 
 
-def _child(code, **env):
+def _child(code, *args, **env):
     e = dict(os.environ)
     # The child sees the machine as /proc/cpuinfo describes it (FLAGS): no caps inherited from the caller.
-    for k in ("KVCOMP_PRODUCTS", "KVCOMP_ISA", "KVCOMP_ROW_STABLE", "KVCOMP_DECODE_PANELS", "KVCOMP_BF16_PACKED",
-              "KVCOMP_BF16_ROWS_KERNEL", "KVCOMP_AMX_KERNEL", "DNNL_MAX_CPU_ISA", "ONEDNN_MAX_CPU_ISA"):
+    for k in ("KVCOMP_PRODUCTS", "KVCOMP_ISA", "KVCOMP_KERNELS", "KVCOMP_VERBOSE", "DNNL_MAX_CPU_ISA",
+              "ONEDNN_MAX_CPU_ISA"):
         e.pop(k, None)
     e.update(env)
     e["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(__file__), e.get("PYTHONPATH")]))
-    out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=240)
+    out = subprocess.run([sys.executable, "-c", code, *args], env=e, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 
@@ -70,13 +70,13 @@ def test_bf16_units_are_used_where_the_cpu_has_them(env):
 
 @pytest.mark.skipif("amx_bf16" not in FLAGS, reason="this CPU has no AMX-BF16")
 def test_amx_products_run_on_kvcomps_kernel_unless_switched_off():
-    """On AMX every bf16 product runs on kvcomp's own AMX kernel (src/cpu/gemm_amx.hpp); KVCOMP_AMX_KERNEL=0
+    """On AMX every bf16 product runs on kvcomp's own AMX kernel (src/cpu/products/amx.hpp); KVCOMP_KERNELS=-amx
     gives oneDNN's AMX kernels back, and so does capping oneDNN below AMX."""
     assert _child(_NAME).startswith("bf16 (kvcomp amx_bf16, precise as hi+lo)")
-    for env in ({"KVCOMP_AMX_KERNEL": "0"}, {"DNNL_MAX_CPU_ISA": "AVX512_CORE_BF16"}):
+    for env in ({"KVCOMP_KERNELS": "-amx"}, {"DNNL_MAX_CPU_ISA": "AVX512_CORE_BF16"}):
         name = _child(_NAME, **env)
         assert name.startswith("bf16 (") and "kvcomp amx_bf16" not in name, (env, name)
-    assert "amx" in _child(_NAME, KVCOMP_AMX_KERNEL="0")
+    assert "amx" in _child(_NAME, KVCOMP_KERNELS="-amx")
 
 
 @pytest.mark.skipif(not HAS_BF16_UNITS, reason="this CPU has neither AMX-BF16 nor AVX512-BF16")
@@ -85,7 +85,7 @@ def test_bf16_everywhere_on_request():
 
 
 # oneDNN runs its AVX2 sgemm kernels (no AVX-512 core set), so decode-sized projections run on
-# kvcomp's own AVX2 kernel (src/cpu/gemm_rows.hpp) unless KVCOMP_ISA=scalar caps kvcomp's kernels; where
+# kvcomp's own AVX2 kernel (src/cpu/products/rows.hpp) unless KVCOMP_ISA=scalar caps kvcomp's kernels; where
 # it runs its AVX-512 sgemm they do too, in the order probed per shape.
 AVX512_CORE = {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= FLAGS
 AVX2_SGEMM = {"avx2", "fma"} <= FLAGS and not AVX512_CORE
@@ -131,11 +131,11 @@ def test_prepared_weights_serve_with_and_without_the_rows_kernel():
 
 def _weights_and_blobs(C, Hs, seed):
     """bf16 weights [2, C, Hs] drawn from `seed`, the generator after them, and the weights' blob prepared
-    in a child process with KVCOMP_DECODE_PANELS=0 ("lean") and here ("own")."""
+    in a child process with KVCOMP_KERNELS=-panels ("lean") and here ("own")."""
     code = (f"import torch, kvcomp; g = torch.Generator().manual_seed({seed}); "
             f"w = (torch.randn(2, {C}, {Hs}, generator=g) / 8).bfloat16(); "
             "print(kvcomp.prepare_weights(w[0], w[1]).numpy().tobytes().hex())")
-    lean = torch.frombuffer(bytearray.fromhex(_child(code, KVCOMP_DECODE_PANELS="0")), dtype=torch.uint8)
+    lean = torch.frombuffer(bytearray.fromhex(_child(code, KVCOMP_KERNELS="-panels")), dtype=torch.uint8)
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(2, C, Hs, generator=g) / 8).bfloat16()
     return g, w, lean, kvcomp.prepare_weights(w[0], w[1])
@@ -159,7 +159,7 @@ def _blob_served_elsewhere(C, Hs, seed, path, tail, **env):
 @pytest.mark.skipif(not AVX2_SGEMM, reason="oneDNN runs no AVX2 sgemm here (no decode panels)")
 def test_prepared_weights_serve_with_and_without_decode_panels(tmp_path):
     """Here a blob of bf16 weights also holds them as decode panels for one-token calls (2 * C * H bf16
-    more); KVCOMP_DECODE_PANELS=0 leaves them out. Either blob serves either process, with the bits of
+    more); KVCOMP_KERNELS=-panels leaves them out. Either blob serves either process, with the bits of
     the call without a blob."""
     C, Hs = 48, 1003
     g, w, lean, own = _weights_and_blobs(C, Hs, 5)
@@ -179,7 +179,7 @@ def test_prepared_weights_serve_with_and_without_decode_panels(tmp_path):
     path = tmp_path / "blob.bin"
     path.write_bytes(own.numpy().tobytes())
     same, total = _blob_served_elsewhere(C, Hs, 5, path, "outs[0].float().sum().item()",
-                                         KVCOMP_DECODE_PANELS="0").split()
+                                         KVCOMP_KERNELS="-panels").split()
     assert same == "True" and float(total) == outs[0][0].float().sum().item()
 
 
@@ -188,8 +188,8 @@ def test_prepared_weights_serve_with_and_without_decode_panels(tmp_path):
 def test_prepared_bf16_weights_serve_with_and_without_avx512_panels(tmp_path):
     """On AVX512-BF16 a blob of bf16 weights holds them pre-transposed for the rows kernel (per 16 columns
     and pair of a K block, 64 bytes; at H = 1003 two blocks of 502 and 501, 251 + 251 pairs);
-    KVCOMP_DECODE_PANELS=0 leaves them out. Either blob serves, also where the kernel is off
-    (KVCOMP_BF16_ROWS_KERNEL=1), with the bits of the call without a blob: 1 to 8 tokens (1-8 rows) and
+    KVCOMP_KERNELS=-panels leaves them out. Either blob serves, also where the kernel is off
+    (KVCOMP_KERNELS=-rows), with the bits of the call without a blob: 1 to 8 tokens (1-8 rows) and
     9 to 70 (the kernel on the panels, beyond 64 in tiles of rows)."""
     C, Hs = 48, 1003
     g, w, lean, own = _weights_and_blobs(C, Hs, 6)
@@ -211,7 +211,7 @@ def test_prepared_bf16_weights_serve_with_and_without_avx512_panels(tmp_path):
         for out, cache in outs[1:]:
             assert torch.equal(out, outs[0][0]) and torch.equal(cache, outs[0][1]), tokens
     # This process's blob (with panels) where the kernel is off.
-    out = _blob_served_elsewhere(C, Hs, 6, path, "kvcomp.product_kernels()", KVCOMP_BF16_ROWS_KERNEL="1")
+    out = _blob_served_elsewhere(C, Hs, 6, path, "kvcomp.product_kernels()", KVCOMP_KERNELS="-rows")
     assert out.startswith("True ") and "kvcomp avx512_bf16" not in out, out
 
 
@@ -247,20 +247,30 @@ def digests(threads):
 def test_long_bf16_calls_write_panels_with_the_bits_of_onednn():
     """A bf16 call of 128 tokens or more without prepared weights writes the weights' AVX-512 panels
     itself and runs kvcomp's kernel on them: every output and the cache bitwise as oneDNN's jit gemm
-    gives them (the kernel off, KVCOMP_BF16_ROWS_KERNEL=1, or no panels, KVCOMP_DECODE_PANELS=0), at 127
+    gives them (the kernel off, KVCOMP_KERNELS=-rows, or no panels, -panels), at 127
     tokens (no panels), 128, 300 and 1030 (two chunks of rows), on 1 and 2 threads."""
     ns = {}
     exec(_LONG_CALLS, ns)
     own = ns["digests"](2)
     assert ns["digests"](1) == own
     assert len(set(own.split())) == 4  # four different calls
-    for env in ({"KVCOMP_BF16_ROWS_KERNEL": "1"}, {"KVCOMP_DECODE_PANELS": "0"}):
+    for env in ({"KVCOMP_KERNELS": "-rows"}, {"KVCOMP_KERNELS": "-panels"}):
         assert _child(_LONG_CALLS + "print(digests(2))", **env) == own, env
 
 
-def test_row_stability_off_keeps_sgemm_alone():
-    """KVCOMP_ROW_STABLE=0: no padding to keep rows alike, so no own kernel either."""
-    assert _child(_NAME, KVCOMP_ROW_STABLE="0", KVCOMP_PRODUCTS="f32") == _F32
+def test_rows_switch_off_keeps_sgemm_alone():
+    """KVCOMP_KERNELS=-rows: kvcomp's rows kernels are neither used nor named."""
+    assert _child(_NAME, KVCOMP_KERNELS="-rows", KVCOMP_PRODUCTS="f32") == _F32
+
+
+def test_unknown_kernel_switch_is_reported_and_ignored():
+    e = dict(os.environ, KVCOMP_KERNELS="-rows,+fast,amx", PYTHONPATH=os.environ.get("PYTHONPATH", ""))
+    e.pop("KVCOMP_PRODUCTS", None)
+    out = subprocess.run([sys.executable, "-c", _NAME], env=e, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr
+    assert "KVCOMP_KERNELS entry (= +fast) must be +name or -name" in out.stderr, out.stderr
+    assert "KVCOMP_KERNELS entry (= amx) must be +name or -name" in out.stderr, out.stderr
+    assert "kvcomp avx2" not in out.stdout  # the valid entry still applies
 
 
 def test_unknown_value_is_reported_and_ignored():
@@ -270,8 +280,9 @@ def test_unknown_value_is_reported_and_ignored():
 
 
 _THREADS = r"""
-import hashlib, torch, kvcomp, kvcomp.torch as kt
+import hashlib, sys, torch, kvcomp, kvcomp.torch as kt
 from support import make_case
+row_stable = sys.argv[1] == "1"
 case = make_case(lens=[300, 170], th=True, r=4, coff=2, start_pos=[3, 0], H=256, D=32, dtype="bf16", seed=9)
 # A decode call of 90 rows: one thread runs it in 64-row tiles, two and three in 2-row-padded column tiles
 # where the kernel allows (src/cpu/forward.cpp): the same bits either way.
@@ -283,8 +294,11 @@ for t in (1, 2, 3):
     digest = hashlib.sha256()
     for c in (case, dec):
         cache = c.state_cache.clone()
+        k = c.kwargs()
         with torch.no_grad():
-            out = kt.compressor(c.x, c.wkv, c.wgate, cache, c.ape, 4, **c.kwargs())
+            out, _, _ = kt.forward_with_gradient(c.x, c.wkv, c.wgate, cache, c.ape, k["state_block_table"],
+                                                 k["cu_seqlens"], k["seqused"], k["start_pos"], 4, 2, 1, False,
+                                                 row_stable=row_stable)
         digest.update(out.float().numpy().tobytes())
         digest.update(cache.numpy().tobytes())
     h.append(digest.hexdigest())
@@ -295,8 +309,9 @@ print(kvcomp.product_kernels().split(" ")[0], len(set(h)))
 @pytest.mark.parametrize("products", ["auto", "bf16", "f32"])
 @pytest.mark.parametrize("row_stable", ["1", "0"])
 def test_forward_is_the_same_for_every_thread_count(products, row_stable):
-    """Also with KVCOMP_ROW_STABLE=0 (decode-bound serving: the rows as they are, column tiles)."""
-    kind, distinct = _child(_THREADS, KVCOMP_PRODUCTS=products, KVCOMP_ROW_STABLE=row_stable).split()
+    """Also without row stability (row_stable=False, decode-bound serving: the rows as they are, column
+    tiles)."""
+    kind, distinct = _child(_THREADS, row_stable, KVCOMP_PRODUCTS=products).split()
     assert distinct == "1", kind
 
 
@@ -404,3 +419,41 @@ def test_backward_on_the_bf16_units_against_the_truth(tmp_path, shape):
         # shape their gradients, rounded to bf16, may coincide
         if shape == "H1024":
             assert not torch.equal(ours[precision][0], f32[precision][0]), precision
+
+
+_VERBOSE = r"""
+import torch, kvcomp, kvcomp.torch as kt
+from support import make_case
+case = make_case(lens=[5, 3], th=True, r=4, coff=2, start_pos=[3, 9], H=64, D=32, dtype="bf16", seed=3)
+leaves = [t.detach().clone().requires_grad_() for t in (case.x, case.wkv, case.wgate, case.ape)]
+out = kt.compressor(*leaves[:3], case.state_cache.clone(), leaves[3], 4, **case.kwargs())
+out.sum().backward()
+"""
+
+
+def _verbose_child(**env):
+    e = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(__file__),
+                                                                   os.environ.get("PYTHONPATH")])))
+    for k in ("KVCOMP_PRODUCTS", "KVCOMP_ISA", "KVCOMP_KERNELS", "KVCOMP_VERBOSE"):
+        e.pop(k, None)
+    e.update(env)
+    out = subprocess.run([sys.executable, "-c", _VERBOSE], env=e, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr
+    return out.stderr
+
+
+def test_verbose_reports_each_planned_call():
+    """KVCOMP_VERBOSE=1: every planned CPU call says what its products run on and why the kernels
+    preferred to them were not taken; without it, nothing."""
+    assert "[kvcomp]" not in _verbose_child()
+    err = _verbose_child(KVCOMP_VERBOSE="1")
+    assert "[kvcomp] forward plan: 8 rows, H 64, 2 x 64 projection columns, bf16 io" in err, err
+    assert "[kvcomp] backward plan: 8 rows" in err and "path: " in err, err
+    assert "chunks of 8 rows: " in err, err
+    if HAS_BF16_UNITS:
+        assert "products: bf16 (" in err, err
+    else:  # no bf16 units: the report says why the products are fp32
+        assert "products: fp32 (dnnl_sgemm); bf16 units not taken: " in err, err
+    f32 = _verbose_child(KVCOMP_VERBOSE="1", KVCOMP_PRODUCTS="f32")
+    assert "bf16 units not taken: KVCOMP_PRODUCTS=f32" in f32, f32
+    assert "path: f32\n" in f32 or "path: f32;" in f32, f32

@@ -1,4 +1,4 @@
-"""Row-stable products (src/cpu/gemm.hpp): a token's projection and its d_x row do not depend on how
+"""Row-stable products (src/cpu/products/onednn_f32.hpp): a token's projection and its d_x row do not depend on how
 many rows its call has or where in the call it sits. So a sequence split over two calls (start_pos,
 the state cache carrying the rows in between) gives the one-call result bit for bit, and a sequence's
 outputs and d_x do not change when other sequences share its TH call. ctest runs this file twice:
@@ -55,8 +55,8 @@ def test_chunked_prefill_equals_one_call(coff, T, cuts):
 @pytest.mark.parametrize("hidden,d", [(96, 16), (1003, 16), (4096, 16), (300, 6)])
 def test_every_small_row_count_equals_one_call(hidden, d, dtype):
     """One sequence prefilled by calls of 1 to 20, 58 to 67 and 90 to 99 tokens, one after another
-    (on AVX2 a call of up to 8 rows runs on kvcomp's own kernel, src/cpu/gemm_rows.hpp, and a longer
-    call of up to 64 or 96 rows is padded by its row count modulo 6, src/cpu/gemm.cpp): every token's
+    (on AVX2 a call of up to 8 rows runs on kvcomp's own kernel, src/cpu/products/rows.hpp, and a longer
+    call of up to 64 or 96 rows is padded by its row count modulo 6, src/cpu/products/onednn_f32.cpp): every token's
     projection in the state cache equals the one-call prefill bit for bit. d = 6 gives 24 projection
     columns: a partial 16-column group, which the kernel leaves to sgemm."""
     coff = 2
@@ -67,12 +67,12 @@ def test_every_small_row_count_equals_one_call(hidden, d, dtype):
 
 
 def _skip_wide_bf16_where_packing_is_emulated(hidden, dtype):
-    """KVCOMP_BF16_PACKED=1 on a CPU without AMX (ctest's *_packed runs) serves the packed bf16 tiles with
+    """KVCOMP_KERNELS=+packed on a CPU without AMX (ctest's *_packed runs) serves the packed bf16 tiles with
     oneDNN's reference matmul: on a 2-core Zen 4 VM a 657-token call at hidden 4096 took 8 s, against 4
     ms unpacked, and this file outgrew ctest's 300 s. The packing and tiling are the same at every hidden
     size (hidden 1000, 1024, 2048 and 2032 still run; 1003 and 4096 in the small-row test), so the wider
     bf16 cases are left to the runs whose kernels take them at speed (AMX packs by default)."""
-    emulated = os.environ.get("KVCOMP_BF16_PACKED") == "1" and "amx" not in kvcomp.product_kernels()
+    emulated = "packed B" in kvcomp.product_kernels() and "amx" not in kvcomp.product_kernels()
     if emulated and dtype == torch.bfloat16 and hidden > 2048:
         pytest.skip("bf16 packing emulated with oneDNN's reference matmul: too slow at this width")
 

@@ -264,9 +264,9 @@ TEST(SizeLimits, WorkspaceAllocationFailureIs361001) {
   // The copies the children make of the small buffers fit in the margin; the
   // workspace (> 128 MiB) does not.
   constexpr std::int64_t margin = 48ll << 20;
-  // With bf16 products reading the weights in place (src/cpu/gemm_bf16.hpp) the forward needs no fp32
-  // copy of them, and its workspace fits in the margin: nothing to fail. ctest runs this test again
-  // with every product fp32 (robustness.workspace_allocation_products_f32).
+  // With bf16 products reading the weights in place (src/cpu/products/onednn_bf16.hpp) the forward needs no
+  // fp32 copy of them, and its workspace fits in the margin: nothing to fail. ctest runs this test again with
+  // every product fp32 (robustness.workspace_allocation_products_f32).
   ForwardPlan plan;
   ASSERT_TRUE(plan_forward(forward_args(), {}, &plan).ok());
   const bool forward_fits = static_cast<std::int64_t>(plan.workspace_size()) < margin;

@@ -16,11 +16,11 @@
 #error "define KVCOMP_SIMD_NS before including body.inl"
 #endif
 
+#include <immintrin.h>
+
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
-
-#include <immintrin.h>
 
 #include "common/numerics.hpp"
 #include "cpu/simd/kernels.hpp"
@@ -317,7 +317,7 @@ void block_softmax_impl(const float* const* sc, const float* const* kv, i64 cr, 
 void block_softmax(const float* const* sc, const float* const* kv, i64 cr, i64 w, double* e, float* s_out,
                    float* k_out, i64 ld_out, void* cmp, DType io) {
   // The widths a thread's columns take at D = 512 or 128 (C4A, C128A, C4Li) on 1 to 8 threads, compiled
-  // for: a runtime width cost 13-18 % more per element at 64 and 32 columns (Zen 5).
+  // for: a runtime width cost more per element at 64 and 32 columns.
   if (w == kSoftmaxChunk)
     return block_softmax_impl<kSoftmaxChunk>(sc, kv, cr, w, e, s_out, k_out, ld_out, cmp, io);
   if (w == 128) return block_softmax_impl<128>(sc, kv, cr, w, e, s_out, k_out, ld_out, cmp, io);
@@ -328,7 +328,8 @@ void block_softmax(const float* const* sc, const float* const* kv, i64 cr, i64 w
 
 }  // namespace
 
-extern const SimdKernels kTable{Isa::KVCOMP_SIMD_NS, block_dot, slot_grad,  slot_grad_bf16, block_softmax,
-                                to_f32,                from_f32,  split_bf16, exp_n};
+extern const SimdKernels kTable{
+    Isa::KVCOMP_SIMD_NS, block_dot, slot_grad, slot_grad_bf16, block_softmax, to_f32, from_f32,
+    split_bf16,          exp_n};
 
 }  // namespace kvcomp::detail::KVCOMP_SIMD_NS

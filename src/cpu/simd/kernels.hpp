@@ -55,7 +55,7 @@ struct SimdKernels {
   // io dtype <-> fp32, n elements (round to nearest even when narrowing).
   void (*to_f32)(const void* src, DType dt, float* dst, std::int64_t n);
   void (*from_f32)(const float* src, void* dst, DType dt, std::int64_t n);
-  // The precise backward's two bf16 parts of fp32 values (gemm_bf16.hpp): hi = bf16(v) and
+  // The precise backward's two bf16 parts of fp32 values (products/onednn_bf16.hpp): hi = bf16(v) and
   // lo = bf16(v - hi), lo zero where hi is not finite (exponent bits all ones), n elements. The
   // backward's blocks write these parts themselves (slot_grad_bf16, through the same per-element
   // steps); this array form is their definition, tested on special values (tests/kernels).

@@ -1,4 +1,4 @@
-// The AVX-512 kernel for fp32 products of any number of rows on 16-bit decode panels (gemm_rows.hpp).
+// The AVX-512 kernel for fp32 products of any number of rows on 16-bit decode panels (products/rows.hpp).
 // Compiled with -mavx512f -mavx512bw -mavx512vl -mavx2 -mfma -mf16c; called only where kvcomp's kernels
 // run AVX-512 (detected_isa and KVCOMP_ISA). GCC 12 reports the undefined pass-through operand inside its
 // AVX-512 conversion and shuffle intrinsics as (maybe) uninitialized (a false positive of its headers).
@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <utility>
 
-#include "cpu/gemm_rows.hpp"
+#include "cpu/products/rows.hpp"
 
 namespace kvcomp::detail {
 
@@ -33,7 +33,8 @@ inline void widen(const std::uint16_t* row, __m512 (&v)[G]) {
     v[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, y));
     v[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, y));
   } else {
-    const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)), zero = _mm256_setzero_si256();
+    const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)),
+                  zero = _mm256_setzero_si256();
     const __m256 lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, y));  // columns 0-7
     const __m256 hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, y));  // columns 8-15
     v[0] = _mm512_castpd_ps(
@@ -81,7 +82,8 @@ constexpr int kTileRows = 12;
 
 template <int G, bool kFp16, std::size_t... I>
 void tile_rest(std::int64_t m, const float* a, std::int64_t lda, const std::uint16_t* panel, std::int64_t w,
-               std::int64_t k0, std::int64_t k1, int blk, float* c, std::int64_t ldc, std::index_sequence<I...>) {
+               std::int64_t k0, std::int64_t k1, int blk, float* c, std::int64_t ldc,
+               std::index_sequence<I...>) {
   using Fn = void (*)(const float*, std::int64_t, const std::uint16_t*, std::int64_t, std::int64_t,
                       std::int64_t, int, float*, std::int64_t);
   static constexpr Fn kernels[] = {&tile<static_cast<int>(I) + 1, G, kFp16>...};

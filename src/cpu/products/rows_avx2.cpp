@@ -1,4 +1,4 @@
-// The AVX2 kernels for products of 1-8 rows (gemm_rows.hpp), B in fp32, bf16 or fp16. Compiled with
+// The AVX2 kernels for products of 1-8 rows (products/rows.hpp), B in fp32, bf16 or fp16. Compiled with
 // -mavx2 -mfma -mf16c; called only after the CPU was found to have AVX2 and FMA (and F16C for fp16 B).
 #include <immintrin.h>
 
@@ -7,7 +7,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "cpu/gemm_rows.hpp"
+#include "cpu/products/rows.hpp"
 #include "kvcomp/half.hpp"
 
 namespace kvcomp::detail {
@@ -172,7 +172,7 @@ void rows_dispatch(std::int64_t m, std::int64_t n, std::int64_t k, const float* 
   kernels[std::clamp<std::int64_t>(m, 1, sizeof...(I)) - 1](n, k, a, lda, b, ldb, c, ldc, order);
 }
 
-// One row against one panel of G 16-column groups (gemm_rows.hpp): acc[g] = the fma chain over k in
+// One row against one panel of G 16-column groups (products/rows.hpp): acc[g] = the fma chain over k in
 // [k0, k1) of a[k] * B[8g + lane, k], from zero, in k order (k_block's order, without transposes).
 template <int G, Half kHalf>
 inline void panel_k_block(const float* a, const std::uint16_t* panel, std::int64_t k0, std::int64_t k1,
@@ -275,7 +275,8 @@ void write_panels_avx2(const std::uint16_t* w, std::int64_t ldw, std::int64_t n,
         }
         transpose8x8_epi16(lo);
         transpose8x8_epi16(hi);
-        for (int j = 0; j < 8; ++j)  // bf16: columns 0-3, 8-11 | 4-7, 12-15; fp16: in order (gemm_rows.hpp)
+        for (int j = 0; j < 8;
+             ++j)  // bf16: columns 0-3, 8-11 | 4-7, 12-15; fp16: in order (products/rows.hpp)
           _mm256_storeu_si256(
               reinterpret_cast<__m256i*>(panel + (kk + j) * wd + g),
               fp16 ? _mm256_set_m128i(hi[j], lo[j])

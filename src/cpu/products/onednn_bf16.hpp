@@ -1,6 +1,6 @@
 // Products on bf16 operands with fp32 accumulation, on the CPU's bf16 units
 // (AMX-BF16, AVX512-BF16) through oneDNN's matmul primitive, or, on AMX, on
-// kvcomp's own AMX kernel (gemm_amx.hpp; KVCOMP_AMX_KERNEL=0 keeps oneDNN's):
+// kvcomp's own AMX kernel (products/amx.hpp; KVCOMP_KERNELS=-amx keeps oneDNN's):
 // then B is packed once per call in that kernel's layout, A and C are read
 // and written where they lie, any M runs as it is (no padding rows needed,
 // though callers may still pad), and the tiling below does not apply.
@@ -17,7 +17,7 @@
 //   fp32 (on kvcomp's AMX kernel one product of twice the K:
 //   gemm_bf16_two_parts).
 //
-// Determinism and row stability as gemm.hpp: the caller pads M to a multiple
+// Determinism and row stability as products/onednn_f32.hpp: the caller pads M to a multiple
 // of kBf16TileRows with zero rows; the output is cut into tiles of
 // kBf16TileRows rows where B is packed, and where it is read in place (the
 // kernel packs B on every execution, so taller tiles pack it less often)
@@ -51,52 +51,18 @@ inline std::int64_t bf16_padded_rows(std::int64_t rows) {
   return (rows + kBf16TileRows - 1) / kBf16TileRows * kBf16TileRows;
 }
 
-// Which kernel oneDNN runs for bf16 matmuls on this machine, chosen once per
-// process: its implementation name when that is a bf16 matrix-unit kernel
-// (brg:avx512_core_amx_bf16, brg:avx512_core_bf16 ...), else nullptr (fp32
-// products everywhere). On by default where the CPU has the units
-// (KVCOMP_PRODUCTS unset, empty or auto); KVCOMP_PRODUCTS=f32 in the
-// environment keeps every product fp32, and KVCOMP_ISA below avx512 does too
-// (one machine tests both paths).
-const char* bf16_product_kernel();
-
-// Whether the precise backward runs its products as hi + lo bf16 parts (twice
-// the bf16 work) instead of fp32: where that is faster, i.e. on AMX (bf16 at
-// about 3x the fp32 rate); not on AVX512-BF16 (Zen 4: about 1.5x, so two
-// parts are slower than fp32; docs/performance.md). KVCOMP_PRODUCTS=bf16
-// asks for it wherever there are bf16 units.
-bool bf16_split_products();
-
-// Whether the backward's npu_parity products run on the bf16 units (and so
-// the precise ones where bf16_split_products): where those units outrun the
-// fp32 FMAs, i.e. on AMX and on AMD's AVX512-BF16 (Zen 4: about 1.5x), not on
-// Intel's AVX512-BF16 without AMX (Cooper Lake, or a Xeon whose AMX a
-// hypervisor hides: 0.5-0.65x the fp32 rate, measured). The forward keeps the
-// bf16 units there: a decode call reads the bf16 weights in place, half the
-// bytes of fp32 ones, and the forward's kernel cannot differ between a decode
-// and a prefill call (row stability). KVCOMP_PRODUCTS=bf16 asks for the bf16
-// units everywhere.
-bool bf16_backward_products();
-
-// What runs: "f32 (dnnl_sgemm)", or "bf16 (kvcomp amx_bf16, precise as hi+lo) + f32 (dnnl_sgemm)"
-// on kvcomp's AMX kernel, or "bf16 (<oneDNN implementation>[, packed
-// B][, row-strided tiles <oneDNN implementation>], precise as hi+lo | precise in f32 |
-// backward in f32[, 1-8 rows and
-// prepared weights: kvcomp avx512_bf16]) + f32 (dnnl_sgemm)", either with
-// "; 1-8 rows: kvcomp avx2[, order probed per shape]" where the fp32 products'
-// decode rows run on kvcomp's AVX2 kernel (gemm_rows.hpp). "packed B":
-// KVCOMP_BF16_PACKED=1 in the environment packs B into oneDNN's blocked
-// layout even where its kernel would read it in place (AVX512-BF16), so that
-// such a machine tests the packed code (packing, packed prepared weights,
-// 64-row tiles: on AMX the dense tiles' path, oneDNN 2.6's AMX brgemm refusing
-// row-strided ones); results stay row-stable and
-// deterministic, but it is for tests only: decode calls pad to 64 rows, and
-// oneDNN 2.6's brg:avx512_core_bf16 refuses row-strided tiles of a packed B,
-// so most tiles run on its reference kernel there (seconds per call).
-// Outside that mode a tile oneDNN would give only its reference kernel is
-// refused (an error, never a 1000x slower product), and a shape whose
-// accumulating tiles would need it reads B in place instead of packed.
-const char* product_kernels();
+// Which bf16 kernels a product runs on, from the process's ProductConfig (config.hpp): kvcomp's AMX
+// kernel (products/amx.hpp) instead of oneDNN's, and B packed into oneDNN's blocked layout also where
+// its kernel would read it in place (KVCOMP_KERNELS=+packed: tests the packed code on AVX512-BF16;
+// results stay row-stable and deterministic, but decode calls pad to 64 rows, and oneDNN 2.6's
+// brg:avx512_core_bf16 refuses row-strided tiles of a packed B, so most tiles run on its reference
+// kernel there, seconds per call). Outside that mode a tile oneDNN would give only its reference
+// kernel is refused (an error, never a 1000x slower product), and a shape whose accumulating tiles
+// would need it reads B in place instead of packed.
+struct Bf16Kernels {
+  bool amx = false;
+  bool packed = false;
+};
 
 // One product shape: C[M, N] (+)= A[M, K] . B[K, N], A bf16 row-major with
 // row stride lda, C fp32 row-major with row stride ldc, B bf16 as the caller
@@ -121,7 +87,7 @@ struct Bf16Plan {
   bool ok = false;
   std::size_t packed_bytes = 0;
 };
-Bf16Plan bf16_plan(const Bf16Shape& s);
+Bf16Plan bf16_plan(const Bf16Kernels& k, const Bf16Shape& s);
 
 // One matrix B of a shape, and where its packed copy goes (packed_bytes of
 // bf16_plan; unused when that is 0).
@@ -139,7 +105,8 @@ struct Bf16PackJob {
 // of the packed layout), one reorder per slice, so that every thread copies a
 // share (the backward's weights and x chunks: one matrix each). False if
 // oneDNN failed.
-bool bf16_pack_b(const Bf16Shape& s, const Bf16PackJob* jobs, int count, int num_threads);
+bool bf16_pack_b(const Bf16Kernels& k, const Bf16Shape& s, const Bf16PackJob* jobs, int count,
+                 int num_threads);
 
 // One product of a call on a shared A: its B (the packed copy, or B itself when packed_bytes is 0)
 // and its C (float, or std::uint16_t where the shape's c_bf16).
@@ -154,22 +121,23 @@ struct Bf16Target {
 // (the caller pads A with zero rows and gives C room for them), or, without accumulate, a height that
 // bf16_packed_short_rows returned for this shape. With c_bf16, never accumulate (false). False if
 // oneDNN failed.
-bool gemm_bf16(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
+bool gemm_bf16(const Bf16Kernels& k, const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
                std::span<const Bf16Target> targets, bool accumulate, int num_threads);
 
 // C (+)= A . B + A2 . B (fp32 C; A2 of A's shape and stride): the precise backward's hi and lo parts of
 // d_new on the same B. On kvcomp's AMX kernel one product of twice the K (A's steps, then A2's, in one
 // chain of fp32 sums: one pass over C); elsewhere gemm_bf16 on A, then accumulating A2's product (M
 // as gemm_bf16 takes it). False if oneDNN failed.
-bool gemm_bf16_two_parts(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a, const std::uint16_t* a2,
-                         std::span<const Bf16Target> targets, bool accumulate, int num_threads);
+bool gemm_bf16_two_parts(const Bf16Kernels& k, const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
+                         const std::uint16_t* a2, std::span<const Bf16Target> targets, bool accumulate,
+                         int num_threads);
 
 // Whether gemm_bf16 may run this c_bf16 shape: where oneDNN's bf16-C tile gives each element the bits
 // of its fp32 twin's sum narrowed to bf16 (nearest even), so that a row's bits do not depend on which
 // of the two wrote it. oneDNN does not promise this (its blocking may depend on C's type): probed once
 // per shape and process on random operands, as bf16_packed_short_rows (tests/python/
 // test_row_stability.py checks the rows of whole calls). False for an fp32 C.
-bool bf16_c_rounds_like_f32(const Bf16Shape& s);
+bool bf16_c_rounds_like_f32(const Bf16Kernels& k, const Bf16Shape& s);
 
 // Rows of a short tile on a packed B: AMX's tile height.
 constexpr std::int64_t kBf16ShortTileRows = 16;
@@ -182,18 +150,18 @@ constexpr std::int64_t kBf16ShortTileRows = 16;
 // which its blocking does not promise: probed once per shape and height and process, on random
 // rows, at both ends of a 64-row tile (its K blocking may depend on M, and then the sums would
 // differ). 0 where B is read in place (bf16_short_rows_stable serves those) or the probe fails.
-std::int64_t bf16_packed_short_rows(const Bf16Shape& s, std::int64_t n);
+std::int64_t bf16_packed_short_rows(const Bf16Kernels& k, const Bf16Shape& s, std::int64_t n);
 
 // Columns of one tile of gemm_bf16_rows.
 constexpr std::int64_t kBf16TileCols = 256;
 
-// The same product without row stability, for KVCOMP_ROW_STABLE=0 (decode-
-// bound serving, gemm.hpp): A is M rows as they are (no padding), and where
+// The same product without row stability, for calls with Options::row_stable false (decode-
+// bound serving, products/onednn_f32.hpp): A is M rows as they are (no padding), and where
 // B is read in place its columns are cut into tiles of kBf16TileCols, each one
 // single-threaded primitive execution over the whole K (one tile over all
 // columns where B is packed). Deterministic across thread counts; a row's
 // result may depend on M. C fp32 only (c_bf16: false).
-bool gemm_bf16_rows(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
+bool gemm_bf16_rows(const Bf16Kernels& k, const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
                     std::span<const Bf16Target> targets, bool accumulate, int num_threads);
 
 // Whether a row-stable call of M rows (M >= 2, no padding to a whole tile) may run as
@@ -203,24 +171,23 @@ bool gemm_bf16_rows(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
 // that any taller call gives them (measured with oneDNN 2.6.3 on Zen 4, K 96 to 7168; checked on
 // each machine by tests/python/test_row_stability.py and test_products.py). Decode-sized calls
 // then pad to 2 rows instead of 64. False elsewhere (AMX: packed B, 64-row tiles).
-bool bf16_short_rows_stable(const Bf16Shape& s, std::int64_t M);
+bool bf16_short_rows_stable(const Bf16Kernels& k, const Bf16Shape& s, std::int64_t M);
 
 // Whether a row-stable call of M rows (1 to 8, or any with panels) runs on kvcomp's own AVX512-BF16 kernel
 // (gemm_rows_avx512_bf16): B stored [N, K] and read in place by oneDNN's jit gemm
 // (bf16_short_rows_stable), N a multiple of 16, the CPU with AVX512-BF16, and the kernel's order
 // matching the jit gemm's for this K (checked once per K and process). Then a decode call's rows need
 // no padding row and its B no packing: the jit gemm packs all of B on each execution, about 3x the
-// time of reading it (docs/performance.md). KVCOMP_BF16_ROWS_KERNEL (any value) in the environment
-// keeps oneDNN for them.
+// time of reading it (docs/performance.md). KVCOMP_KERNELS=-rows keeps oneDNN for them.
 // With `panels` (the call has the AVX-512 decode panels of its weights), any M: the kernel's order is
 // the same for every row count, and on panels it runs at oneDNN's packed brgemm rate (docs/performance.md).
-bool bf16_rows_kernel_applicable(const Bf16Shape& s, std::int64_t M, bool panels = false);
-// Whether this process may use that kernel at all (product_kernels() then names it): not where oneDNN
-// packs B (AMX), since the kernel has the bits of the in-place jit gemm only.
-bool bf16_rows_kernel_available();
+// `available`: ProductConfig::bf16_rows_kernel (the process may use it at all: not where oneDNN packs B,
+// as on AMX, since the kernel has the bits of the in-place jit gemm only).
+bool bf16_rows_kernel_applicable(const Bf16Kernels& k, bool available, const Bf16Shape& s, std::int64_t M,
+                                 bool panels = false);
 
 // The M-row product on that kernel, B's columns cut into tiles of kBf16TileCols, or narrower where the
-// threads outnumber them (dealt_tile_cols, gemm_rows.hpp), and more than 8 rows into tiles of at least
+// threads outnumber them (dealt_tile_cols, products/rows.hpp), and more than 8 rows into tiles of at least
 // 64 where the column tiles are still too few for the threads, dealt to the threads
 // (an element's order does not depend on its tile): the bits gemm_bf16 gives these rows.
 // `panels` (optional): the AVX-512 decode panels of each target's B (write_panels_avx512_bf16, from
@@ -228,9 +195,5 @@ bool bf16_rows_kernel_available();
 void gemm_bf16_rows_kernel(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
                            std::span<const Bf16Target> targets, int num_threads,
                            const std::uint16_t* const* panels = nullptr);
-
-// Whether prepared weights of bf16 io hold AVX-512 decode panels for that kernel: where it may run and
-// KVCOMP_DECODE_PANELS is not 0.
-bool bf16_decode_panels_wanted();
 
 }  // namespace kvcomp::detail

@@ -14,7 +14,7 @@
 #include <cstdint>
 #include <optional>
 
-#include "cpu/gemm_rows.hpp"
+#include "cpu/products/rows.hpp"
 #include "kvcomp/kvcomp.hpp"
 
 namespace kvcomp::detail {
@@ -23,6 +23,13 @@ struct GemmOperand {
   const float* ptr = nullptr;
   std::int64_t ld = 0;      // leading dimension (elements)
   bool transposed = false;  // A: stored [K,M]; B: stored [N,K]
+};
+
+// How a call's products are cut: whether the call is row-stable (Options::row_stable) and whether oneDNN
+// runs its AVX-512 sgemm (ProductConfig::sgemm_avx512). Decided per call in its plan.
+struct F32Tiling {
+  bool row_stable = true;
+  bool sgemm_avx512 = false;
 };
 
 // Row stability. oneDNN's sgemm does not compute a row of C the same way in
@@ -37,44 +44,52 @@ struct GemmOperand {
 // that are multiples of the quantum (a padded count of at most one quantum
 // is one tile), so every row is computed by the same kernel path: a row's
 // result depends on that row of A and on B only.
-// KVCOMP_ROW_STABLE=0 in the environment turns this off (quantum 1, the
-// tiles of earlier releases) for decode-bound serving.
-std::int64_t gemm_row_quantum(bool b_transposed);
-// False when KVCOMP_ROW_STABLE=0 turned row stability off (read once).
-bool gemm_row_stable();
+// A call without row stability (Options::row_stable false, for decode-bound serving) has quantum 1 and
+// the tiles of 256 rows.
+std::int64_t gemm_row_quantum(const F32Tiling& t, bool b_transposed);
 // The largest value gemm_row_quantum returns (workspace sizing).
 constexpr std::int64_t kMaxRowQuantum = 96;
 // round_up(rows, gemm_row_quantum(b_transposed)); on AVX2 a call of at most
 // one quantum pads only to the next row count of 0, 4 or 5 modulo 6 (1 -> 4
-// rows, not 96: gemm.cpp says why that computes each row alike).
-std::int64_t gemm_padded_rows(std::int64_t rows, bool b_transposed);
+// rows, not 96: products/onednn_f32.cpp says why that computes each row alike).
+std::int64_t gemm_padded_rows(const F32Tiling& t, std::int64_t rows, bool b_transposed);
 // Rows per tile of gemm_f32's products of depth K: 192 where oneDNN runs its AVX2 sgemm (and on AVX-512
-// with B transposed and K < 1200), else 256 (gemm.cpp says why).
-std::int64_t gemm_tile_rows(std::int64_t K, bool b_transposed);
+// with B transposed and K < 1200), else 256 (products/onednn_f32.cpp says why).
+std::int64_t gemm_tile_rows(const F32Tiling& t, std::int64_t K, bool b_transposed);
 // Whether gemm_f32's product [M, N] = A [M, K] . B gives every row the bits with B stored plain ([K, N],
 // row stride ldb_plain) that it has with B stored transposed ([N, K], row stride ldb_t), A of row stride
 // lda. oneDNN's AVX-512 sgemm runs a tile about 15 % faster from a plain B (the forward projections'
 // weights, docs/performance.md) and, in its copy-based kernel (K >= 1200), sums alike. Probed once per
 // shape and strides (tiles of 16, 208 and 256 rows; the full and the last column tile); false without
-// the probe: oneDNN on AVX2, K < 1200, KVCOMP_ROW_STABLE=0, or no memory for the probe.
-bool gemm_b_plain_same_bits(std::int64_t N, std::int64_t K, std::int64_t lda, std::int64_t ldb_t,
-                            std::int64_t ldb_plain);
+// the probe: oneDNN on AVX2, K < 1200, a call without row stability, or no memory for the probe.
+bool gemm_b_plain_same_bits(const F32Tiling& t, std::int64_t N, std::int64_t K, std::int64_t lda,
+                            std::int64_t ldb_t, std::int64_t ldb_plain);
 // Rows a buffer of `rows` token rows needs so that either padding fits.
-inline std::int64_t gemm_row_capacity(std::int64_t rows) {
-  const std::int64_t a = gemm_padded_rows(rows, true), b = gemm_padded_rows(rows, false);
+inline std::int64_t gemm_row_capacity(const F32Tiling& t, std::int64_t rows) {
+  const std::int64_t a = gemm_padded_rows(t, rows, true), b = gemm_padded_rows(t, rows, false);
   return a > b ? a : b;
 }
 
+// kvcomp's AVX2 rows kernel in a call's products (rows.hpp): sgemm's order for the whole column tiles
+// and for the last one (none: that tile keeps sgemm), decided in the call's plan
+// (gemm_rows_kernel_orders). Null: sgemm everywhere.
+struct RowsKernelOrders {
+  std::optional<SgemmOrder> full, last;
+};
+
+// Columns of one tile of gemm_f32's products.
+constexpr std::int64_t kF32TileCols = 256;
+
 // C[M,N] = A[M,K] * B[K,N] (+ C when accumulate). C is row-major with ldc.
 // live_rows (when given): rows of A from live_rows on are zero padding (row stability) whose rows of
-// C the caller does not read; a call may then leave them unwritten (gemm_rows.hpp: decode-sized
-// calls).
-// Returns false if oneDNN failed (out of memory for its packing buffers); C
-// is then undefined. Allocates nothing itself, but for the once-per-process
-// check of the AVX2 rows kernel at the first call with live rows (std::malloc,
-// not operator new; the kernel stays off when that fails).
-bool gemm_f32(std::int64_t M, std::int64_t N, std::int64_t K, GemmOperand a, GemmOperand b, float* c,
-              std::int64_t ldc, bool accumulate, int num_threads, std::int64_t live_rows = -1);
+// C the caller does not read; with `rows` (1 <= live_rows <= kRowsKernelMax, B transposed, no
+// accumulate) the column tiles with an order run only the live rows on kvcomp's AVX2 rows kernel
+// (products/rows.hpp), with sgemm's bits.
+// Returns false if oneDNN failed (out of memory for its packing buffers); C is then undefined.
+// Allocates nothing itself.
+bool gemm_f32(const F32Tiling& t, std::int64_t M, std::int64_t N, std::int64_t K, GemmOperand a,
+              GemmOperand b, float* c, std::int64_t ldc, bool accumulate, int num_threads,
+              std::int64_t live_rows = -1, const RowsKernelOrders* rows = nullptr);
 // A product of the forward whose B is its two 16-bit (or fp32) weight matrices [wkv ; wgate] ([half, K]
 // each, row stride K, dtype dt; B stored [N, K] with N = 2 * half): gemm_f32's tiles, each column tile of B
 // widened to fp32 in this thread's part of `scratch` (ld_scratch floats a row) just before its product,
@@ -83,54 +98,32 @@ bool gemm_f32(std::int64_t M, std::int64_t N, std::int64_t K, GemmOperand a, Gem
 // 32 MiB at C4A's H = 4096: written to memory and read back). Only for calls of one row tile, where each
 // column tile is read once (gemm_one_column_pass(M, K); false otherwise, nothing done). Same tiles, kernels
 // and fp32 values as gemm_f32 on the widened B, so the same bits. scratch: gemm_widen_scratch_floats.
-bool gemm_one_column_pass(std::int64_t M, std::int64_t K);
+bool gemm_one_column_pass(const F32Tiling& t, std::int64_t M, std::int64_t K);
 std::size_t gemm_widen_scratch_floats(std::int64_t N, std::int64_t ld, int num_threads);
-bool gemm_f32_widening(std::int64_t M, std::int64_t half, std::int64_t K, GemmOperand a, const void* wkv,
-                       const void* wgate, DType dt, float* c, std::int64_t ldc, float* scratch,
-                       std::int64_t ld_scratch, int num_threads, std::int64_t live_rows = -1);
-// True when gemm_f32 runs calls of few live rows on its own AVX2 kernel (gemm_rows.hpp; with oneDNN on
-// its AVX2 or AVX-512 sgemm, in the order of either), decided once per process (the first call checks
-// the kernel against sgemm).
-bool gemm_rows_kernel_active();
-// True where that kernel's order is probed per shape (oneDNN on its AVX-512 sgemm, gemm_rows.hpp): a shape
-// whose order is none of the known ones keeps sgemm's padding.
-bool gemm_rows_order_probed();
+bool gemm_f32_widening(const F32Tiling& t, std::int64_t M, std::int64_t half, std::int64_t K, GemmOperand a,
+                       const void* wkv, const void* wgate, DType dt, float* c, std::int64_t ldc,
+                       float* scratch, std::int64_t ld_scratch, int num_threads, std::int64_t live_rows = -1,
+                       const RowsKernelOrders* rows = nullptr);
 
 // The forward projection of a decode-sized call with its 16-bit weights (bf16, or fp16 when `fp16`) read
 // where they lie, not converted to fp32 first: C[n, 2 * half] = A[n, K] . [wkv ; wgate]^T, wkv and wgate
-// [half, K] with row stride K. Each cell gets the bits gemm_f32 gives it from the weights widened to fp32
-// (the same kernel order; widening is exact). gemm_rows_16bit_order(n, half, K, ld, fp16): sgemm's order for
-// the call whose fp32 operands have row stride ld (sgemm's order may depend on it), to pass on, or none
-// where the kernel does not apply (it needs the AVX2 kernel active,
-// 1 <= n <= 8, half a multiple of 16 (whole 16-column groups in every tile) and sgemm's order known for K
-// and the tiles (gemm_row_panels_order below); for fp16 also F16C and its own once-per-process check
-// against sgemm).
-std::optional<SgemmOrder> gemm_rows_16bit_order(std::int64_t n, std::int64_t half, std::int64_t K,
-                                                std::int64_t ld, bool fp16);
+// [half, K] with row stride K, on kvcomp's AVX2 rows kernel in sgemm's order `order`. Each cell gets the
+// bits gemm_f32 gives it from the weights widened to fp32 (the same kernel order; widening is exact).
+// The call's plan decides it (rows_16bit_order, config.hpp): 1 <= n <= 8, half a multiple of 16.
 void gemm_rows_16bit_weights(std::int64_t n, std::int64_t half, std::int64_t K, const float* a,
                              std::int64_t lda, const std::uint16_t* wkv, const std::uint16_t* wgate,
                              bool fp16, float* c, std::int64_t ldc, SgemmOrder order, int num_threads);
 
-// Decode panels (gemm_rows.hpp): 16-bit weights stored a second time, for one-token forward calls, which
-// then read half the bytes of the fp32 copy, with the same bits.
-// - decode_panels_wanted(fp16): prepare_weights adds them to a blob of fp32 weights of that dtype here: the
-//   CPU has AVX2 and FMA (and F16C for fp16) and oneDNN runs its AVX2 or AVX-512 sgemm (as
-//   gemm_rows_kernel_active wants, whatever KVCOMP_ISA says, so a blob's size does not depend on it),
-//   unless KVCOMP_DECODE_PANELS=0 (read once; the blob is then 2/3 of the size).
+// Decode panels (products/rows.hpp): 16-bit weights stored a second time, for decode-sized forward calls,
+// which then read half the bytes of the fp32 copy, with the same bits.
 // - write_panels: the panels of w [n, k] (bf16, or fp16 when `fp16`; row stride ldw, n a multiple of 16)
-//   into out (n * k elements); AVX2 (called only where decode_panels_wanted or the rows kernel runs).
-// - gemm_row_panels_order / gemm_row_panels: the forward projection of an n-row call from them,
-//   C[n, 2 * half] = A . [wkv ; wgate]^T (A row stride lda, C ldc), with the bits of the call on fp32
-//   operands of row stride ld (gemm_row_panels_order's): where the AVX2 rows kernel is active
-//   (for fp16 also its fp16 variant), n == 1 (AVX2) or up to kPanelRowsMax where kvcomp's kernels run
-//   AVX-512 (gemm_rows_avx512_panels), half a multiple of 16 and sgemm's order known for the shape (one order
-//   for all its column tiles: the order returned, none where the panels do not apply); each cell the
-//   bits gemm_f32 gives it.
-bool decode_panels_wanted(bool fp16 = false);
+//   into out (n * k elements); AVX2.
+// - gemm_row_panels: the forward projection of an n-row call from them, C[n, 2 * half] = A .
+//   [wkv ; wgate]^T (A row stride lda, C ldc), in sgemm's order `order`; n == 1 on AVX2, up to
+//   kPanelRowsMax on AVX-512 (gemm_rows_avx512_panels). The call's plan decides it (row_panels_order,
+//   config.hpp); each cell gets the bits gemm_f32 gives it.
 void write_panels(const std::uint16_t* w, std::int64_t ldw, std::int64_t n, std::int64_t k,
                   std::uint16_t* out, int num_threads = 1, bool fp16 = false);
-std::optional<SgemmOrder> gemm_row_panels_order(std::int64_t n, std::int64_t half, std::int64_t K,
-                                                std::int64_t ld, bool fp16);
 // The most rows gemm_row_panels takes on AVX-512 (longer calls keep sgemm on the fp32 rows).
 constexpr std::int64_t kPanelRowsMax = 256;
 void gemm_row_panels(std::int64_t n, std::int64_t half, std::int64_t K, const float* a, std::int64_t lda,

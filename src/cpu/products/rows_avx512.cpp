@@ -1,5 +1,5 @@
 // The AVX512-BF16 kernel for bf16 products of 1-8 rows, and of any number of rows on decode panels
-// (gemm_rows.hpp). Compiled with -mavx512f -mavx512bw -mavx512bf16; called only where the CPU has
+// (products/rows.hpp). Compiled with -mavx512f -mavx512bw -mavx512bf16; called only where the CPU has
 // AVX512-BF16 and the order was checked against oneDNN.
 // GCC 12 reports the undefined pass-through operand inside its AVX-512 unpack intrinsics as maybe
 // uninitialized (a false positive of its headers).
@@ -13,7 +13,7 @@
 #include <cstring>
 #include <utility>
 
-#include "cpu/gemm_rows.hpp"
+#include "cpu/products/rows.hpp"
 
 namespace kvcomp::detail {
 
@@ -121,11 +121,11 @@ void rows_kernel(std::int64_t n, std::int64_t k, const std::uint16_t* a, std::in
     }
 }
 
-// Panel kernel (gemm_rows.hpp): acc[g][m] = the chain of group g's pairs [0, np) of one K block (the odd
+// Panel kernel (products/rows.hpp): acc[g][m] = the chain of group g's pairs [0, np) of one K block (the odd
 // last pair with A's second value zero); t points at the block's first pair of group 0, groups `group`
 // vectors apart. G groups side by side: the panels stream contiguously, and each chain waits on its
-// previous vdpbf16ps, so G x M chains keep the unit busy (C4A, 8 rows, per call on Zen 5: 0.58 ms with
-// one group at a time, 0.28-0.31 ms with two). Per element the chain is the rows kernel's, so each row
+// previous vdpbf16ps, so G x M chains keep the unit busy (two groups at a time ran about twice as fast
+// as one). Per element the chain is the rows kernel's, so each row
 // gets the same bits whatever the call's row count or tiles.
 template <int M, int G>
 inline void tile_chain(const std::uint16_t* a, std::int64_t lda, std::int64_t k0, const __m512i* t,
@@ -213,8 +213,7 @@ void panel_tiles(std::int64_t m, std::int64_t n, std::int64_t k, const std::uint
 
 // 1-8 rows: one tile of all of them, four groups side by side for one or two rows, two for more. One
 // row with eight groups (eight streams of panels 64 x bf16_panel_pairs(k) bytes apart, a power of two
-// at the common hidden sizes) measured 7-10 % slower on Zen 4: C4A B = 1 0.119-0.130 -> 0.108-0.115 ms
-// on 2 threads (docs/performance.md, 2026-12-06).
+// at the common hidden sizes) ran slower (docs/performance.md).
 template <int M>
 void panel_rows(std::int64_t n, std::int64_t k, const std::uint16_t* a, std::int64_t lda,
                 const std::uint16_t* panels, float* c, std::int64_t ldc) {

@@ -1,5 +1,5 @@
 // Built with -mamx-tile -mamx-bf16 -mavx512f (src/CMakeLists.txt); run only where amx_tiles_usable().
-#include "cpu/gemm_amx.hpp"
+#include "cpu/products/amx.hpp"
 
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -22,7 +22,7 @@ constexpr std::int64_t kStepBytes = 1024;  // one packed B tile: 16 pair-rows x 
 // near 1 MiB, so that it stays in L2 for the next row block, 8 to 32 (K 4096: 8, K 1024: 32).
 constexpr std::int64_t kPanelBytes = std::int64_t{1} << 20;
 constexpr std::int64_t kMinPanelGroups = 8, kMaxPanelGroups = 32;
-constexpr std::int64_t kChunkSteps = 8;    // K steps of A copied at a time (256 K: 16 KiB for 32 rows)
+constexpr std::int64_t kChunkSteps = 8;  // K steps of A copied at a time (256 K: 16 KiB for 32 rows)
 
 std::int64_t steps_of(std::int64_t K) { return (K + kStepK - 1) / kStepK; }
 
@@ -72,10 +72,18 @@ void copy_a_steps(const std::uint16_t* a, std::int64_t lda, std::int64_t rows, s
 // TILESTORED of C tile t (0-3): the tile number is part of the instruction.
 void store_c_tile(int t, void* at, std::int64_t stride) {
   switch (t) {
-    case 0: _tile_stored(0, at, stride); break;
-    case 1: _tile_stored(1, at, stride); break;
-    case 2: _tile_stored(2, at, stride); break;
-    default: _tile_stored(3, at, stride); break;
+    case 0:
+      _tile_stored(0, at, stride);
+      break;
+    case 1:
+      _tile_stored(1, at, stride);
+      break;
+    case 2:
+      _tile_stored(2, at, stride);
+      break;
+    default:
+      _tile_stored(3, at, stride);
+      break;
   }
 }
 

@@ -1,14 +1,14 @@
 // Products of 1-8 rows that give each row the bits oneDNN's sgemm gives it in a long call.
 //
-// Row stability (gemm.hpp) pads a decode-sized fp32 product to 4 or more rows on AVX2, to 16 on
-// AVX-512, and sgemm's few-row path with B transposed then runs at about half the rate of its one-row
-// path on AVX2, at a sixteenth of it on AVX-512 (docs/performance.md). This kernel computes C[m, n] =
-// A[m, K] . B[n, K]^T for m <= 8 in the order oneDNN 2.6's sgemm sums an element of a whole 16-column
-// group: one fma chain per element and K block, from zero, the blocks added in order (sgemm_k_blocks).
-// So a token's row is bitwise the row the same token gets from a long tile, without the padding rows.
-// The order was measured, not documented: gemm.cpp checks it against sgemm once per process before the
-// first use and keeps the padding when it differs. The kernel itself is AVX2 + FMA code (the order, not
-// the vector width, fixes the bits), for either sgemm.
+// Row stability (products/onednn_f32.hpp) pads a decode-sized fp32 product to 4 or more rows on AVX2, to 16
+// on AVX-512, and sgemm's few-row path with B transposed then runs at about half the rate of its one-row path
+// on AVX2, at a sixteenth of it on AVX-512 (docs/performance.md). This kernel computes C[m, n] = A[m, K] .
+// B[n, K]^T for m <= 8 in the order oneDNN 2.6's sgemm sums an element of a whole 16-column group: one fma
+// chain per element and K block, from zero, the blocks added in order (sgemm_k_blocks). So a token's row is
+// bitwise the row the same token gets from a long tile, without the padding rows. The order was measured, not
+// documented: products/onednn_f32.cpp checks it against sgemm once per process before the first use and keeps
+// the padding when it differs. The kernel itself is AVX2 + FMA code (the order, not the vector width, fixes
+// the bits), for either sgemm.
 #pragma once
 
 #include <cstdint>
@@ -22,8 +22,8 @@ namespace kvcomp::detail {
 // - not halves: blocks of `unit`, the last one the rest. The AVX-512 sgemm for some K, tile widths and
 //   row strides (measured on AMD Zen 5 with 256 columns and stride K: K 769-1185 and 4096, not 4071 or
 //   4103; K 2048 and 4096 take the other rule with stride K + 16 than with stride K).
-// Which rule a shape takes on AVX-512 is not documented and was not worked out: gemm.cpp probes sgemm
-// once per shape and pair of row strides (sgemm_order_for).
+// Which rule a shape takes on AVX-512 is not documented and was not worked out: products/onednn_f32.cpp
+// probes sgemm once per shape and pair of row strides (sgemm_order_for).
 struct SgemmOrder {
   std::int64_t unit = 256;
   bool halves = true;
@@ -81,7 +81,7 @@ inline std::int64_t dealt_tile_cols(std::int64_t cols, std::int64_t matrices, st
 
 // C[m, n] = A[m, k] . B[n, k]^T (A row-major with lda, B stored [n, k] with ldb, C row-major with ldc),
 // 1 <= m <= kRowsKernelMax, n a multiple of 16, k >= 1, K blocks sgemm_k_blocks(k, order). AVX2 + FMA
-// only (gemm_rows_avx2.cpp).
+// only (products/rows_avx2.cpp).
 void gemm_rows_avx2(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,
                     const float* b, std::int64_t ldb, float* c, std::int64_t ldc, SgemmOrder order);
 // The same with B in bf16, widened as it is read (exactly: the bits equal those of gemm_rows_avx2 on the
@@ -121,7 +121,7 @@ void gemm_row_avx2_panels(std::int64_t n, std::int64_t k, const float* a, const 
                           float* c, bool fp16, SgemmOrder order);
 // C[m, n] = A[m, k] . B^T for any m >= 1, B in the same panels: each element the bits gemm_rows_avx2 gives
 // it from B widened to fp32 (the same chain per element; tiles of 12 rows x 32 columns of 16-lane
-// vectors). AVX-512 F/BW/VL (gemm_rows_avx512_f32.cpp).
+// vectors). AVX-512 F/BW/VL (products/rows_avx512_f32.cpp).
 void gemm_rows_avx512_panels(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,
                              const std::uint16_t* panels, float* c, std::int64_t ldc, bool fp16,
                              SgemmOrder order);
@@ -148,8 +148,8 @@ inline Bf16KBlocks jit_bf16_k_blocks(std::int64_t k) {
 // multiple of 16, k >= 1 (A row-major with lda, B stored [n, k] with ldb, C row-major with ldc): one
 // vdpbf16ps chain per element and K block of jit_bf16_k_blocks, so each row gets the bits oneDNN's jit
 // gemm gives it in a call of any height, without padding rows or packing B. AVX512-BF16 only
-// (gemm_rows_avx512.cpp); gemm_bf16.cpp checks the order against oneDNN once per K before using it.
-// AVX-512 decode panels: a bf16 matrix B [n, k] (n a multiple of 16) stored pre-transposed for
+// (products/rows_avx512.cpp); products/onednn_bf16.cpp checks the order against oneDNN once per K before
+// using it. AVX-512 decode panels: a bf16 matrix B [n, k] (n a multiple of 16) stored pre-transposed for
 // gemm_rows_avx512_bf16_panels, so that a row's product loads each pair of 16 columns as one vector:
 // per 16-column group (group g at element 32 g bf16_panel_pairs(k)), per K block of jit_bf16_k_blocks,
 // per pair (k0 + 2p, k0 + 2p + 1) of the block, the 16 columns' two values side by side (the second

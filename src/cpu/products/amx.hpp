@@ -1,6 +1,6 @@
 // kvcomp's own bf16 product kernel on Intel's AMX tiles (AMX-BF16), for
-// every bf16 product of a CPU with them (gemm_bf16.hpp decides; oneDNN's
-// kernels where KVCOMP_AMX_KERNEL=0).
+// every bf16 product of a CPU with them (products/onednn_bf16.hpp decides; oneDNN's
+// kernels where KVCOMP_KERNELS=-amx).
 //
 // Why not oneDNN's: version 2.6's AMX brgemm takes only dense A and C, and
 // kvcomp's tiles write the two projections side by side (C's rows 2N apart),
@@ -18,7 +18,7 @@
 // per step accumulating in an fp32 tile (stored and reloaded as fp32
 // between K chunks: no bit changes). A tile's rows never mix, and which
 // tile or thread holds an element changes nothing of its sum: so a row's
-// bits depend neither on the call's row count (row stability, gemm.hpp)
+// bits depend neither on the call's row count (row stability, products/onednn_f32.hpp)
 // nor on the thread count, nor on how the caller cuts rows and columns.
 // The hardware flushes denormal inputs and results to zero, as oneDNN's
 // AMX kernels do.
