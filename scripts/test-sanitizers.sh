@@ -53,8 +53,8 @@ ctest --test-dir build-asan --output-on-failure --parallel "$jobs" --timeout 180
 # real___cxa_throw". Leak detection is off for the interpreter (CPython and
 # torch keep their allocations until exit by design); every other report fails
 # the test. Left to the normal suite, as above: the reruns of files under
-# another setting of the environment (python_*_products_*, *_packed, *_avx2,
-# *_row_stable_0: the same extension code on another product or kernel path,
+# another setting of the environment (python_*_products_*, *_packed, *_avx2:
+# the same extension code on another product or kernel path,
 # oneDNN's kernels being uninstrumented anyway), test_products.py (which
 # product path each setting selects, in child processes) and
 # test_context_parallel.py (ranks in child processes making the same extension
@@ -64,7 +64,7 @@ ctest --test-dir build-asan --output-on-failure --parallel "$jobs" --timeout 180
   export LD_PRELOAD="$(clang++ -print-file-name=libclang_rt.asan-x86_64.so) $(g++ -print-file-name=libstdc++.so.6)"
   export ASAN_OPTIONS=detect_leaks=0:check_initialization_order=1
   ctest --test-dir build-asan --output-on-failure --parallel "$jobs" --timeout 1800 -L python \
-    -E '^(python_pip_install|python_products|python_context_parallel|python_.*_(products_(f32|bf16)|packed|avx2|row_stable_0))$'
+    -E '^(python_pip_install|python_products|python_context_parallel|python_.*_(products_(f32|bf16)|packed|avx2))$'
 )
 
 # ---- 2. ThreadSanitizer on the concurrency test ----------------------------

@@ -1,7 +1,7 @@
 """Test support: an independent small-ops PyTorch implementation of the Compressor forward, random
 cases, and the three reference gradients of spec 7.2.
 
-The forward here is written from ../../../shared/spec/compressor-spec.md (sections 1.3-1.8) with
+The forward here is written from docs/semantics.md (blocks, the state cache, the softmax) with
 plain differentiable torch ops, so autograd through it gives reference gradients that share nothing
 with kvcomp's hand-written backward. It is vectorised per batch (all blocks at once), and small on
 purpose: it is only fed test-sized cases.
