@@ -1,10 +1,17 @@
-"""``kvcomp.nn.Compressor``: the compressor as a module that owns its weights, single-process or
-context-parallel, so a model file uses kvcomp with one line::
+"""The compressor as modules that own their weights, so a model file uses kvcomp with one line.
+
+``kvcomp.nn.Compressor``: the bare operator (DeepSeek-V4's projections, block softmax and pooling),
+single-process or context-parallel::
 
     self.compressor = kvcomp.nn.Compressor(hidden_size=4096, head_dim=512, cmp_ratio=4)   # C4A
     ...
     cmp_kv = self.compressor(x, cu_seqlens=cu)                 # one process
     cmp_kv = self.compressor(x, cp_group=group)                # sequences split over `group`
+
+``kvcomp.nn.DeepseekV41Compressor``: DeepSeek-V4.1's compressor (ratio 1 or 2, no APE, no overlap, then
+RMSNorm), with that model's parameter names::
+
+    self.compressor = kvcomp.nn.DeepseekV41Compressor(hidden_size, head_dim, ratio=2, eps=1e-6)
 """
 
 import math
@@ -14,10 +21,10 @@ import torch
 
 from . import distributed as _cp
 from . import _ops as _kt
-from ._errors import NULL_POINTER, KvcompError
+from ._errors import INVALID_PARAM, NULL_POINTER, KvcompError
 from ._functional import prepare_weights as _prepare_weights
 
-__all__ = ["Compressor"]
+__all__ = ["Compressor", "DeepseekV41Compressor"]
 
 
 class Compressor(torch.nn.Module):
@@ -157,3 +164,91 @@ class Compressor(torch.nn.Module):
         return _kt.forward_with_gradient(x, wkv, wgate, state_cache, ape, state_block_table, cu_seqlens, seqused,
                                          start_pos, self.cmp_ratio, self.coff, cache_mode, False,
                                          prepared_weights=blob, _empties=False)[0]
+
+
+def _scratch_state(x, cu_seqlens, ratio, width):
+    """A one-block state cache that is never written (every block-table entry 0) and its table, for a
+    stateless call: no row comes from before the sequences, and the tail tokens are not kept."""
+    rows = x.shape[1] if x.dim() == 3 else x.shape[0]
+    batches = x.shape[0] if x.dim() == 3 else (cu_seqlens.shape[0] - 1 if cu_seqlens is not None else 0)
+    cache = x.new_zeros((1, ratio, width), dtype=torch.float32)
+    table = torch.zeros((max(batches, 0), max(1, -(-rows // ratio))), dtype=torch.int32, device=x.device)
+    return cache, table
+
+
+class _NormWeight(torch.nn.Module):
+    """Holds RMSNorm's weight as ``norm.weight`` (the model's state_dict key), fp32, initialised to one."""
+
+    def __init__(self, dim, eps, device=None):
+        super().__init__()
+        self.eps = float(eps)
+        self.weight = torch.nn.Parameter(torch.ones(dim, device=device, dtype=torch.float32))
+
+
+def _rms_norm(rows, weight, eps):
+    """The model's RMSNorm over the last dim: fp32 statistics, ``(weight * x_hat).to(rows.dtype)``."""
+    x = rows.float()
+    x_hat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * x_hat).to(rows.dtype)
+
+
+class DeepseekV41Compressor(torch.nn.Module):
+    """DeepSeek-V4.1's compressor: each group of ``ratio`` consecutive tokens of a sequence pooled into
+    one row (per channel, a softmax over the group of the gate scores weighs the group's projections;
+    ratio 1 is the projection itself, with no gate), the row rounded to the io dtype, then RMSNorm over
+    ``head_dim`` (fp32 statistics, fp32 weight, ``(weight * x_hat).to(dtype)``). No positional bias, no
+    overlap between groups, no RoPE (the attention applies it). An incomplete trailing group gives no
+    row.
+
+    Parameters and state_dict keys as the model names them: ``wkv.weight`` ``[head_dim, hidden_size]``,
+    ``wgate.weight`` (ratio > 1 only) and ``norm.weight`` ``[head_dim]`` (fp32), so
+    ``load_state_dict(model_compressor.state_dict(), strict=True)`` works. The projections and pooling
+    run on kvcomp's operator (coff 1, cmp_ratio = ratio, a zero bias), with the weights cast to the io
+    dtype of ``x`` inside the call so that autograd reaches fp32 parameters; the RMSNorm runs in torch
+    after it. Ratio 1 passes the operator a zero gate, whose softmax over one token is exactly 1: the
+    pooled row is the projection row, bit for bit (the gate's product is computed and unused; a later
+    release skips it).
+
+    Args:
+        hidden_size: H.
+        head_dim: D.
+        ratio: tokens per compressed row (the model uses 1 and 2; any ratio >= 1 here).
+        eps: RMSNorm's epsilon.
+        device, dtype: of the projections' weights (default fp32; norm.weight is always fp32).
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, ratio: int, eps: float = 1e-6, *, device=None,
+                 dtype=torch.float32):
+        super().__init__()
+        if int(ratio) < 1:
+            raise KvcompError(INVALID_PARAM, f"[kvcomp] ratio (= {ratio}) must be >= 1")
+        self.hidden_size, self.head_dim, self.ratio = int(hidden_size), int(head_dim), int(ratio)
+        kw = dict(device=device, dtype=dtype)
+        self.wkv = torch.nn.Linear(self.hidden_size, self.head_dim, bias=False, **kw)
+        self.wgate = torch.nn.Linear(self.hidden_size, self.head_dim, bias=False, **kw) if self.ratio > 1 else None
+        self.norm = _NormWeight(self.head_dim, eps, device=device)
+
+    def extra_repr(self):
+        return f"hidden_size={self.hidden_size}, head_dim={self.head_dim}, ratio={self.ratio}, eps={self.norm.eps}"
+
+    def pooled(self, x, cu_seqlens=None):
+        """The pooled rows before the RMSNorm, in x's dtype: BSH ``[B, S // ratio, head_dim]``, TH
+        ``[sum over sequences of len // ratio, head_dim]`` (``cu_seqlens`` int32 ``[B + 1]``)."""
+        r, d = self.ratio, self.head_dim
+        wkv = self.wkv.weight.to(x.dtype)
+        wgate = self.wgate.weight.to(x.dtype) if self.wgate is not None else torch.zeros_like(wkv)
+        ape = torch.zeros((r, d), dtype=torch.float32, device=x.device)
+        if x.dim() == 2 and cu_seqlens is None:
+            raise KvcompError(NULL_POINTER, "[kvcomp] cu_seqlens (= None) must be given with TH x [T, H]")
+        cache, table = _scratch_state(x, cu_seqlens, r, 2 * d)
+        rows = _kt.compressor(x, wkv, wgate, cache, ape, r, state_block_table=table, cu_seqlens=cu_seqlens, coff=1)
+        if x.dim() == 3:
+            return rows[:, : x.shape[1] // r]
+        # TH: the sequences' rows in order, then zero rows; a sequence of L tokens has L // r of them.
+        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
+        return rows[: int((lens // r).sum())]
+
+    def forward(self, x, cu_seqlens=None):
+        """The compressed rows of ``x`` (BSH ``[B, S, H]``, or TH ``[T, H]`` with ``cu_seqlens``), normed,
+        in x's dtype: BSH ``[B, S // ratio, head_dim]``, TH ``[sum of len // ratio, head_dim]``."""
+        return _rms_norm(self.pooled(x, cu_seqlens), self.norm.weight, self.norm.eps)

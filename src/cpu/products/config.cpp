@@ -6,7 +6,10 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <map>
+#include <mutex>
 #include <string>
+#include <tuple>
 
 #include "cpu/products/amx.hpp"
 #include "cpu/products/onednn_bf16_tiles.hpp"
@@ -171,6 +174,47 @@ std::optional<SgemmOrder> row_panels_order(const ProductConfig& c, bool row_stab
   const bool rows_ok = n == 1 || (n > 1 && n <= kPanelRowsMax && c.isa >= Isa::avx512);
   if (!row_stable || !rows_ok || half <= 0 || half % 16 != 0 || !c.rows_kernel_for(fp16)) return std::nullopt;
   return projection_order(c, half, K, ld);
+}
+
+bool gemm_b_plain_same_bits(const F32Tiling& t, std::int64_t N, std::int64_t K, std::int64_t lda,
+                            std::int64_t ldb_t, std::int64_t ldb_plain) {
+  // Only where both layouts' tiles are the same 256 rows of sgemm's copy-based kernel.
+  if (!t.row_stable || !t.sgemm_avx512 || N <= 0 || K < 1200 || gemm_tile_rows(t, K, true) != 256 ||
+      gemm_tile_rows(t, K, false) != 256)
+    return false;
+  return sgemm_b_plain_matches(N, K, lda, ldb_t, ldb_plain);
+}
+
+bool bf16_c_rounds_like_f32(const Bf16Kernels& k, const Bf16Shape& s) {
+  if (!s.c_bf16) return false;
+  if (k.amx) return true;          // the kernel rounds its fp32 sums with f32_to_bf16
+  return bf16_c_tile_probe(k, s);  // else: fp32 rows
+}
+
+std::int64_t bf16_packed_short_rows(const Bf16Kernels& k, const Bf16Shape& s, std::int64_t n) {
+  if (n < 1 || n >= kBf16TileRows) return 0;
+  const std::int64_t m = (n + kBf16ShortTileRows - 1) / kBf16ShortTileRows * kBf16ShortTileRows;
+  if (k.amx) return m;                            // any height gives a row the same sums
+  return bf16_short_tile_probe(k, s, m) ? m : 0;  // else: a whole 64-row tile
+}
+
+bool bf16_rows_kernel_applicable(const Bf16Kernels& k, bool available, const Bf16Shape& s, std::int64_t M,
+                                 bool panels) {
+  if (!available || M < 1 || (M > kRowsKernelMax && !panels) || !s.b_transposed || s.N % 16 != 0 || s.K < 1)
+    return false;
+  // Decided once per shape (a decode call's is the same every time): oneDNN's jit gemm reads this B in
+  // place, and the kernel's order matches it for this K (checked once per K).
+  static std::mutex mu;
+  using ShapeKey = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t>;
+  static std::map<ShapeKey, bool> shapes;
+  const auto key = std::make_tuple(s.N, s.K, s.lda, s.ldc, s.ldb);
+  {
+    const std::lock_guard<std::mutex> lock(mu);
+    if (const auto it = shapes.find(key); it != shapes.end()) return it->second;
+  }
+  const bool ok = bf16_short_rows_stable(k, s, 2) && bf16_rows_kernel_probe(k, s.K);
+  const std::lock_guard<std::mutex> lock(mu);
+  return shapes[key] = ok;
 }
 
 }  // namespace kvcomp::detail

@@ -87,4 +87,45 @@ std::optional<SgemmOrder> rows_16bit_order(const ProductConfig& c, bool row_stab
 std::optional<SgemmOrder> row_panels_order(const ProductConfig& c, bool row_stable, std::int64_t n,
                                            std::int64_t half, std::int64_t K, std::int64_t ld, bool fp16);
 
+// Whether gemm_f32's product [M, N] = A [M, K] . B gives every row the bits with B stored plain ([K, N],
+// row stride ldb_plain) that it has with B stored transposed ([N, K], row stride ldb_t), A of row stride
+// lda. oneDNN's AVX-512 sgemm runs a tile about 15 % faster from a plain B (the forward projections'
+// weights, docs/performance.md) and, in its copy-based kernel (K >= 1200), sums alike. Probed once per
+// shape and strides (tiles of 16, 208 and 256 rows; the full and the last column tile); false without
+// the probe: oneDNN on AVX2, K < 1200, a call without row stability, or no memory for the probe.
+bool gemm_b_plain_same_bits(const F32Tiling& t, std::int64_t N, std::int64_t K, std::int64_t lda,
+                            std::int64_t ldb_t, std::int64_t ldb_plain);
+
+// The questions about the bf16 products that need a probe (order_probes.hpp): the products never ask
+// them themselves; a call's plan does and passes what it may run.
+// Whether gemm_bf16 may run this c_bf16 shape: where oneDNN's bf16-C tile gives each element the bits
+// of its fp32 twin's sum narrowed to bf16 (nearest even), so that a row's bits do not depend on which
+// of the two wrote it. oneDNN does not promise this (its blocking may depend on C's type): probed once
+// per shape and process on random operands, as bf16_packed_short_rows (tests/python/
+// test_row_stability.py checks the rows of whole calls). False for an fp32 C.
+bool bf16_c_rounds_like_f32(const Bf16Kernels& k, const Bf16Shape& s);
+
+// A row-stable call of n rows (1 <= n < kBf16TileRows) on a packed B (AMX): the height, n rounded up
+// to kBf16ShortTileRows, that gemm_bf16 may run it at instead of a whole 64-row tile, or 0. A decode
+// call of 1 token then multiplies 16 rows on the tiles instead of 64: AMX works on every row of a
+// tile, so the padding rows cost as much as the token's (without this, B = 1 cost its 64-row product).
+// Only where oneDNN's primitive of that height gives every row the bits the 64-row tile gives it,
+// which its blocking does not promise: probed once per shape and height and process, on random
+// rows, at both ends of a 64-row tile (its K blocking may depend on M, and then the sums would
+// differ). 0 where B is read in place (bf16_short_rows_stable serves those) or the probe fails.
+std::int64_t bf16_packed_short_rows(const Bf16Kernels& k, const Bf16Shape& s, std::int64_t n);
+
+// Whether a row-stable call of M rows (1 to 8, or any with panels) runs on kvcomp's own AVX512-BF16 kernel
+// (gemm_rows_avx512_bf16): B stored [N, K] and read in place by oneDNN's jit gemm
+// (bf16_short_rows_stable), N a multiple of 16, the CPU with AVX512-BF16, and the kernel's order
+// matching the jit gemm's for this K (checked once per K and process). Then a decode call's rows need
+// no padding row and its B no packing: the jit gemm packs all of B on each execution, about 3x the
+// time of reading it (docs/performance.md). KVCOMP_KERNELS=-rows keeps oneDNN for them.
+// With `panels` (the call has the AVX-512 decode panels of its weights), any M: the kernel's order is
+// the same for every row count, and on panels it runs at oneDNN's packed brgemm rate (docs/performance.md).
+// `available`: ProductConfig::bf16_rows_kernel (the process may use it at all: not where oneDNN packs B,
+// as on AMX, since the kernel has the bits of the in-place jit gemm only).
+bool bf16_rows_kernel_applicable(const Bf16Kernels& k, bool available, const Bf16Shape& s, std::int64_t M,
+                                 bool panels = false);
+
 }  // namespace kvcomp::detail

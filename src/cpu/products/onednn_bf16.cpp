@@ -16,7 +16,6 @@
 
 #include "cpu/products/amx.hpp"
 #include "cpu/products/onednn_bf16_tiles.hpp"
-#include "cpu/products/order_probes.hpp"
 #include "cpu/products/rows.hpp"
 
 namespace kvcomp::detail {
@@ -252,14 +251,15 @@ bool bf16_pack_b(const Bf16Kernels& k, const Bf16Shape& s, const Bf16PackJob* jo
 bool gemm_bf16(const Bf16Kernels& k, const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
                std::span<const Bf16Target> targets, bool accumulate, int num_threads) {
   if (M <= 0 || s.N <= 0 || targets.empty()) return true;
-  // C += A . B in bf16 would round twice; a bf16 C only where it holds the fp32 sums' rounding.
-  if (s.c_bf16 && (accumulate || !bf16_c_rounds_like_f32(k, s))) return false;
+  // C += A . B in bf16 would round twice; a bf16 C only where it holds the fp32 sums' rounding (the
+  // plan asked bf16_c_rounds_like_f32).
+  if (s.c_bf16 && accumulate) return false;
   if (k.amx) {  // any M: every row's sums are the same on the AMX kernel
     amx_products(s, M, a, targets, accumulate, num_threads);
     return true;
   }
-  if (M % kBf16TileRows != 0 &&
-      (accumulate || M > kBf16TileRows || bf16_packed_short_rows(k, f32_twin(s), M) != M))
+  // Whole tiles, or one short tile of a height the plan's bf16_packed_short_rows gave.
+  if (M % kBf16TileRows != 0 && (accumulate || M > kBf16TileRows || M % kBf16ShortTileRows != 0))
     return false;
   const TilePrimitive* full = nullptr;
   const TilePrimitive* last = nullptr;
@@ -304,19 +304,6 @@ bool gemm_bf16_two_parts(const Bf16Kernels& k, const Bf16Shape& s, std::int64_t 
   }
   return gemm_bf16(k, s, M, a, targets, accumulate, num_threads) &&
          gemm_bf16(k, s, M, a2, targets, true, num_threads);
-}
-
-bool bf16_c_rounds_like_f32(const Bf16Kernels& k, const Bf16Shape& s) {
-  if (!s.c_bf16) return false;
-  if (k.amx) return true;          // the kernel rounds its fp32 sums with f32_to_bf16
-  return bf16_c_tile_probe(k, s);  // else: fp32 rows
-}
-
-std::int64_t bf16_packed_short_rows(const Bf16Kernels& k, const Bf16Shape& s, std::int64_t n) {
-  if (n < 1 || n >= kBf16TileRows) return 0;
-  const std::int64_t m = (n + kBf16ShortTileRows - 1) / kBf16ShortTileRows * kBf16ShortTileRows;
-  if (k.amx) return m;                            // any height gives a row the same sums
-  return bf16_short_tile_probe(k, s, m) ? m : 0;  // else: a whole 64-row tile
 }
 
 namespace {
@@ -377,25 +364,6 @@ bool gemm_bf16_rows(const Bf16Kernels& k, const Bf16Shape& s, std::int64_t M, co
         const std::uint16_t* b_tile = t.cols == s.N ? bb : s.b_transposed ? bb + n0 * s.ldb : bb + n0;
         return Tile{n0 + t.cols <= s.N ? t.full : t.last, a, b_tile, static_cast<float*>(x.c) + n0};
       });
-}
-
-bool bf16_rows_kernel_applicable(const Bf16Kernels& k, bool available, const Bf16Shape& s, std::int64_t M,
-                                 bool panels) {
-  if (!available || M < 1 || (M > kRowsKernelMax && !panels) || !s.b_transposed || s.N % 16 != 0 || s.K < 1)
-    return false;
-  // Decided once per shape (a decode call's is the same every time): oneDNN's jit gemm reads this B in
-  // place, and the kernel's order matches it for this K (checked once per K).
-  static std::mutex mu;
-  using ShapeKey = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t>;
-  static std::map<ShapeKey, bool> shapes;
-  const auto key = std::make_tuple(s.N, s.K, s.lda, s.ldc, s.ldb);
-  {
-    const std::lock_guard<std::mutex> lock(mu);
-    if (const auto it = shapes.find(key); it != shapes.end()) return it->second;
-  }
-  const bool ok = bf16_short_rows_stable(k, s, 2) && bf16_rows_kernel_probe(k, s.K);
-  const std::lock_guard<std::mutex> lock(mu);
-  return shapes[key] = ok;
 }
 
 void gemm_bf16_rows_kernel(const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,

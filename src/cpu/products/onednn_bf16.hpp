@@ -119,7 +119,8 @@ struct Bf16Target {
 // A, e.g. the two projections; their tiles are dealt to the threads together, so that a decode call
 // whose products are one tile each still uses two threads). M must be a multiple of kBf16TileRows
 // (the caller pads A with zero rows and gives C room for them), or, without accumulate, a height that
-// bf16_packed_short_rows returned for this shape. With c_bf16, never accumulate (false). False if
+// bf16_packed_short_rows (config.hpp) returned for this shape. With c_bf16 (only where
+// bf16_c_rounds_like_f32, config.hpp), never accumulate (false). False if
 // oneDNN failed.
 bool gemm_bf16(const Bf16Kernels& k, const Bf16Shape& s, std::int64_t M, const std::uint16_t* a,
                std::span<const Bf16Target> targets, bool accumulate, int num_threads);
@@ -132,25 +133,8 @@ bool gemm_bf16_two_parts(const Bf16Kernels& k, const Bf16Shape& s, std::int64_t 
                          const std::uint16_t* a2, std::span<const Bf16Target> targets, bool accumulate,
                          int num_threads);
 
-// Whether gemm_bf16 may run this c_bf16 shape: where oneDNN's bf16-C tile gives each element the bits
-// of its fp32 twin's sum narrowed to bf16 (nearest even), so that a row's bits do not depend on which
-// of the two wrote it. oneDNN does not promise this (its blocking may depend on C's type): probed once
-// per shape and process on random operands, as bf16_packed_short_rows (tests/python/
-// test_row_stability.py checks the rows of whole calls). False for an fp32 C.
-bool bf16_c_rounds_like_f32(const Bf16Kernels& k, const Bf16Shape& s);
-
 // Rows of a short tile on a packed B: AMX's tile height.
 constexpr std::int64_t kBf16ShortTileRows = 16;
-
-// A row-stable call of n rows (1 <= n < kBf16TileRows) on a packed B (AMX): the height, n rounded up
-// to kBf16ShortTileRows, that gemm_bf16 may run it at instead of a whole 64-row tile, or 0. A decode
-// call of 1 token then multiplies 16 rows on the tiles instead of 64: AMX works on every row of a
-// tile, so the padding rows cost as much as the token's (without this, B = 1 cost its 64-row product).
-// Only where oneDNN's primitive of that height gives every row the bits the 64-row tile gives it,
-// which its blocking does not promise: probed once per shape and height and process, on random
-// rows, at both ends of a 64-row tile (its K blocking may depend on M, and then the sums would
-// differ). 0 where B is read in place (bf16_short_rows_stable serves those) or the probe fails.
-std::int64_t bf16_packed_short_rows(const Bf16Kernels& k, const Bf16Shape& s, std::int64_t n);
 
 // Columns of one tile of gemm_bf16_rows.
 constexpr std::int64_t kBf16TileCols = 256;
@@ -172,19 +156,6 @@ bool gemm_bf16_rows(const Bf16Kernels& k, const Bf16Shape& s, std::int64_t M, co
 // each machine by tests/python/test_row_stability.py and test_products.py). Decode-sized calls
 // then pad to 2 rows instead of 64. False elsewhere (AMX: packed B, 64-row tiles).
 bool bf16_short_rows_stable(const Bf16Kernels& k, const Bf16Shape& s, std::int64_t M);
-
-// Whether a row-stable call of M rows (1 to 8, or any with panels) runs on kvcomp's own AVX512-BF16 kernel
-// (gemm_rows_avx512_bf16): B stored [N, K] and read in place by oneDNN's jit gemm
-// (bf16_short_rows_stable), N a multiple of 16, the CPU with AVX512-BF16, and the kernel's order
-// matching the jit gemm's for this K (checked once per K and process). Then a decode call's rows need
-// no padding row and its B no packing: the jit gemm packs all of B on each execution, about 3x the
-// time of reading it (docs/performance.md). KVCOMP_KERNELS=-rows keeps oneDNN for them.
-// With `panels` (the call has the AVX-512 decode panels of its weights), any M: the kernel's order is
-// the same for every row count, and on panels it runs at oneDNN's packed brgemm rate (docs/performance.md).
-// `available`: ProductConfig::bf16_rows_kernel (the process may use it at all: not where oneDNN packs B,
-// as on AMX, since the kernel has the bits of the in-place jit gemm only).
-bool bf16_rows_kernel_applicable(const Bf16Kernels& k, bool available, const Bf16Shape& s, std::int64_t M,
-                                 bool panels = false);
 
 // The M-row product on that kernel, B's columns cut into tiles of kBf16TileCols, or narrower where the
 // threads outnumber them (dealt_tile_cols, products/rows.hpp), and more than 8 rows into tiles of at least

@@ -9,7 +9,6 @@
 #include <optional>
 
 #include "cpu/convert.hpp"
-#include "cpu/products/order_probes.hpp"
 #include "cpu/products/rows.hpp"
 
 namespace kvcomp::detail {
@@ -110,15 +109,6 @@ std::int64_t gemm_row_quantum(const F32Tiling& t, bool b_transposed) {
 
 std::int64_t gemm_tile_rows(const F32Tiling& t, std::int64_t K, bool b_transposed) {
   return tile_m(t, K, b_transposed);
-}
-
-bool gemm_b_plain_same_bits(const F32Tiling& t, std::int64_t N, std::int64_t K, std::int64_t lda,
-                            std::int64_t ldb_t, std::int64_t ldb_plain) {
-  // Only where both layouts' tiles are the same 256 rows of sgemm's copy-based kernel.
-  if (!t.row_stable || !t.sgemm_avx512 || N <= 0 || K < 1200 || tile_m(t, K, true) != 256 ||
-      tile_m(t, K, false) != 256)
-    return false;
-  return sgemm_b_plain_matches(N, K, lda, ldb_t, ldb_plain);
 }
 
 std::int64_t gemm_padded_rows(const F32Tiling& t, std::int64_t rows, bool b_transposed) {

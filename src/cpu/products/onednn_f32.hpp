@@ -56,14 +56,6 @@ std::int64_t gemm_padded_rows(const F32Tiling& t, std::int64_t rows, bool b_tran
 // Rows per tile of gemm_f32's products of depth K: 192 where oneDNN runs its AVX2 sgemm (and on AVX-512
 // with B transposed and K < 1200), else 256 (products/onednn_f32.cpp says why).
 std::int64_t gemm_tile_rows(const F32Tiling& t, std::int64_t K, bool b_transposed);
-// Whether gemm_f32's product [M, N] = A [M, K] . B gives every row the bits with B stored plain ([K, N],
-// row stride ldb_plain) that it has with B stored transposed ([N, K], row stride ldb_t), A of row stride
-// lda. oneDNN's AVX-512 sgemm runs a tile about 15 % faster from a plain B (the forward projections'
-// weights, docs/performance.md) and, in its copy-based kernel (K >= 1200), sums alike. Probed once per
-// shape and strides (tiles of 16, 208 and 256 rows; the full and the last column tile); false without
-// the probe: oneDNN on AVX2, K < 1200, a call without row stability, or no memory for the probe.
-bool gemm_b_plain_same_bits(const F32Tiling& t, std::int64_t N, std::int64_t K, std::int64_t lda,
-                            std::int64_t ldb_t, std::int64_t ldb_plain);
 // Rows a buffer of `rows` token rows needs so that either padding fits.
 inline std::int64_t gemm_row_capacity(const F32Tiling& t, std::int64_t rows) {
   const std::int64_t a = gemm_padded_rows(t, rows, true), b = gemm_padded_rows(t, rows, false);
