@@ -42,8 +42,9 @@ export LSAN_OPTIONS="suppressions=$PWD/scripts/lsan-libomp.supp"
 #  - robustness.alloc_failure_products_* and core.products_*: reruns of whole binaries
 #    on the other product path (KVCOMP_PRODUCTS): the machine's own path runs here, the normal suite
 #    runs both, and the allocation sweeps take minutes each under ASan.
+#  - bits.*: the Release build's hashes (tests/bits); its calls are the core suite's, which runs here.
 ctest --test-dir build-asan --output-on-failure --parallel "$jobs" --timeout 1800 -LE python \
-  -E '^(example\.downstream_build|robustness\.alloc_failure_products_.*|core\.products_.*)$'
+  -E '^(example\.downstream_build|robustness\.alloc_failure_products_.*|core\.products_.*|bits\..*)$'
 
 # The Python suite on the instrumented extension. The interpreter is not
 # built with ASan, so clang's ASan runtime (which carries UBSan's) is

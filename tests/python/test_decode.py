@@ -36,8 +36,11 @@ def _check(case, out, cache):
 @pytest.mark.parametrize("r,coff", [(4, 2), (128, 1)])
 @pytest.mark.parametrize("cache_mode", [1, 2])
 @pytest.mark.parametrize("th", [False, True])
-@pytest.mark.parametrize("B,tokens", [(1, 1), (7, 1), (64, 1), (256, 1), (8, 2), (8, 3), (16, 4)])
-@pytest.mark.parametrize("row_stable", [True, False])
+@pytest.mark.parametrize(
+    "B,tokens,row_stable",
+    # Without row stability the few-row paths (1 to 8 rows, and 64) and a call past the rows kernels.
+    [(1, 1, True), (7, 1, True), (64, 1, True), (256, 1, True), (8, 2, True), (8, 3, True), (16, 4, True),
+     (1, 1, False), (7, 1, False), (64, 1, False), (8, 3, False)])
 def test_decode_against_the_oracle(r, coff, cache_mode, th, B, tokens, row_stable):
     offsets = range(r) if B == 1 and r <= 8 else [0, r - tokens, r - 1]
     for offset in offsets:
