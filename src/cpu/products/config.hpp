@@ -1,11 +1,11 @@
 // Which product kernels this process may run: decided once, from the CPU, oneDNN and the environment
-// (common/environment.hpp), into one struct. Nothing else in the CPU backend reads the environment or
-// asks the CPU what it has for its products.
+// (common/environment.hpp), into one struct. Nothing else reads the environment or asks the CPU for the
+// products' sake.
 //
-// Per call, the drivers' plans (cpu/call_plan.hpp) ask this struct and the per-shape probes
-// (order_probes.hpp) what each product of the call runs on, and keep the answer; the product
-// functions receive that answer as arguments. product_kernels() (and `kvcomp info`) print the
-// struct's description.
+// Per call, plan_forward / plan_backward (decide_forward, decide_backward: cpu/backend.hpp) ask this
+// struct, and the questions below ask the per-shape probes (order_probes.hpp), what each product of the
+// call runs on; the plan keeps the answer and the product functions receive it as arguments.
+// product_kernels() (and `kvcomp info`) print the struct's description.
 #pragma once
 
 #include <cstdint>
