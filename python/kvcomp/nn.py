@@ -146,12 +146,8 @@ class Compressor(torch.nn.Module):
             if start_pos is not None:
                 raise KvcompError(NULL_POINTER, "[kvcomp] state_cache (= None) must be given with start_pos: the "
                                                 "rows before start_pos come from it")
-            r = self.cmp_ratio
-            rows = x.shape[1] if x.dim() == 3 else x.shape[0]
-            batches = x.shape[0] if x.dim() == 3 else (cu_seqlens.shape[0] - 1 if cu_seqlens is not None else 0)
-            state_cache = x.new_zeros((1, r, 2 * self.coff * self.head_dim), dtype=torch.float32)
-            state_block_table = torch.zeros((max(batches, 0), max(1, -(-rows // r))), dtype=torch.int32,
-                                            device=x.device)
+            state_cache, state_block_table = _scratch_state(x, cu_seqlens, self.cmp_ratio,
+                                                            2 * self.coff * self.head_dim)
             cache_mode = 1
         wkv, wgate, blob = self._weights_for(x, wkv_p, wgate_p)
         if blob is None:

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstddef>
+#include <string>
 
 #include "common/backward_path.hpp"
 #include "common/workspace.hpp"
@@ -51,6 +52,8 @@ struct BackwardDecision {
   BackwardPath path = BackwardPath::f32;
 };
 ForwardDecision decide_forward(const Dims& d, const Options& options);
+// The first line of a planned call's verbose report (KVCOMP_VERBOSE=1): the op and the call's shape.
+std::string plan_report_head(const char* op, const Dims& d, int num_threads, bool row_stable);
 // What the process's product kernels are (kvcomp::product_kernels(); products/config.hpp).
 const char* product_kernels();
 BackwardDecision decide_backward(const Dims& d, const Options& options);

@@ -215,10 +215,7 @@ namespace {
 // others were not taken.
 void report_backward(const Dims& d, const BackwardDecision& call, int num_threads) {
   const ProductConfig& config = product_config();
-  std::string s = "[kvcomp] backward plan: " + std::to_string(d.T) + " rows, H " + std::to_string(d.H) +
-                  ", 2 x " + std::to_string(d.C) + " projection columns, " + dtype_name(d.io) + " io, " +
-                  std::to_string(num_threads) + " threads" +
-                  (call.tiling.row_stable ? "" : ", not row-stable") +
+  std::string s = plan_report_head("backward", d, num_threads, call.tiling.row_stable) +
                   "\n[kvcomp]   path: " + backward_path_name(call.path) + "; products: ";
   if (products_16bit(call.path)) {
     s += std::string("bf16 (") + (config.bf16_kernels.amx ? "kvcomp amx_bf16" : config.bf16_kernel.c_str()) +

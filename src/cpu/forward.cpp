@@ -150,7 +150,10 @@ ProjectionInputs projection_inputs(const Dims& d, const ForwardDecision& call, c
   if (!prepared.kv && (d.io == DType::bf16 || fp16))
     in.in_place_order = rows_16bit_order(config, row_stable, d.T, d.C, d.H, buf.ld_h, fp16);
   // gemm_f32 reads B stored [2C, H] with row stride ld_h (the fp32 copy, or the widened tiles).
-  in.rows_orders = rows_kernel_orders(config, row_stable, 2 * d.C, d.H, buf.ld_h, buf.ld_h);
+  // Asked only where a chunk has so few rows (the first, or the last).
+  const std::int64_t last = d.T % buf.chunk;
+  if (d.T <= kRowsKernelMax || (last > 0 && last <= kRowsKernelMax))
+    in.rows_orders = rows_kernel_orders(config, row_stable, 2 * d.C, d.H, buf.ld_h, buf.ld_h);
   return in;
 }
 
@@ -459,10 +462,8 @@ ForwardBlockIo block_io(const ForwardArgs& args, const BlockPlan& plan, const Fo
 void report_forward(const Dims& d, const ForwardDecision& call, const ProjectionInputs& in,
                     const ForwardBuffers& buf, int num_threads) {
   const ProductConfig& config = product_config();
-  std::string s = "[kvcomp] forward plan: " + std::to_string(d.T) + " rows, H " + std::to_string(d.H) +
-                  ", 2 x " + std::to_string(d.C) + " projection columns, " + dtype_name(d.io) + " io, " +
-                  std::to_string(num_threads) + " threads" +
-                  (call.tiling.row_stable ? "" : ", not row-stable") + "\n[kvcomp]   products: ";
+  std::string s =
+      plan_report_head("forward", d, num_threads, call.tiling.row_stable) + "\n[kvcomp]   products: ";
   if (call.bf16_products)
     s += "bf16 (" + (config.bf16_kernels.amx ? std::string("kvcomp amx_bf16") : config.bf16_kernel) + ")";
   else
@@ -484,6 +485,12 @@ void report_forward(const Dims& d, const ForwardDecision& call, const Projection
 }
 
 }  // namespace
+
+std::string plan_report_head(const char* op, const Dims& d, int num_threads, bool row_stable) {
+  return std::string("[kvcomp] ") + op + " plan: " + std::to_string(d.T) + " rows, H " + std::to_string(d.H) +
+         ", 2 x " + std::to_string(d.C) + " projection columns, " + dtype_name(d.io) + " io, " +
+         std::to_string(num_threads) + " threads" + (row_stable ? "" : ", not row-stable");
+}
 
 ForwardDecision decide_forward(const Dims& d, const Options& options) {
   const ProductConfig& config = product_config();
