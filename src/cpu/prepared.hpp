@@ -46,7 +46,7 @@ Status write_prepared(const Tensor& wkv, const Tensor& wgate, const PreparedLayo
 std::size_t bf16_panel_elements(std::int64_t C, std::int64_t H);
 // Writes the panels of wkv and wgate ([C, H] bf16, C a multiple of 16) into `panels`
 // (2 bf16_panel_elements(C, H) values: wkv's, then wgate's), the column groups dealt to the threads.
-// AVX512-BF16 only (bf16_rows_kernel_available()).
+// AVX512-BF16 only (ProductConfig::bf16_rows_kernel).
 void write_bf16_panels(const std::uint16_t* wkv, const std::uint16_t* wgate, std::int64_t C, std::int64_t H,
                        std::uint16_t* panels, int num_threads);
 

@@ -5,7 +5,7 @@
 // calls it. On AMX machines oneDNN is capped at its AVX512-BF16 kernels for the whole process: its jit
 // gemm then sums as on a CPU with AVX512-BF16 alone (Intel's without AMX, AMD's), where kvcomp runs the
 // kernel. Uncapped, that gemm multiplies on AMX tiles, in another order, and kvcomp never pairs the two
-// (bf16_rows_kernel_available is false where oneDNN's kernel is AMX's). Without AVX512-BF16, or where
+// (ProductConfig::bf16_rows_kernel is false where oneDNN's kernel is AMX's). Without AVX512-BF16, or where
 // oneDNN runs another kernel for these shapes, it reports itself skipped.
 #include <gtest/gtest.h>
 
