@@ -199,14 +199,27 @@ void prepare_weights(const InArray& wkv, const InArray& wgate, const OutArray& b
   check(s);
 }
 
+// The epilogue's inputs (kvcomp::Epilogue); any may be None.
+kvcomp::Epilogue epilogue(const std::optional<InArray>& norm_weight, float norm_eps,
+                          const std::optional<InArray>& rope_cos, const std::optional<InArray>& rope_sin) {
+  kvcomp::Epilogue e;
+  e.norm_weight = view_opt(norm_weight, "norm_weight");
+  e.norm_eps = norm_eps;
+  e.rope_cos = view_opt(rope_cos, "rope_cos");
+  e.rope_sin = view_opt(rope_sin, "rope_sin");
+  return e;
+}
+
 void forward(const InArray& x, const InArray& wkv, const InArray& wgate, const OutArray& state_cache,
-             const InArray& ape, const std::optional<InArray>& state_block_table,
+             const std::optional<InArray>& ape, const std::optional<InArray>& state_block_table,
              const std::optional<InArray>& cu_seqlens, const std::optional<InArray>& seqused,
              const std::optional<InArray>& start_pos, std::int64_t cmp_ratio, std::int64_t coff,
              std::int64_t cache_mode, const OutArray& cmp_kv, const std::optional<OutArray>& softmax_score,
              const std::optional<OutArray>& kv, const std::string& profile, const std::string& precision,
              int num_threads, std::uintptr_t stream, const std::optional<InArray>& prepared_weights,
-             bool row_stable) {
+             bool row_stable, const std::optional<InArray>& norm_weight, float norm_eps,
+             const std::optional<InArray>& rope_cos, const std::optional<InArray>& rope_sin,
+             const std::optional<OutArray>& pooled) {
   const kvcomp::Options options = make_options(profile, precision, num_threads, stream, row_stable);
   kvcomp::ForwardArgs a;
   if (prepared_weights)
@@ -215,7 +228,9 @@ void forward(const InArray& x, const InArray& wkv, const InArray& wgate, const O
   a.wkv = view(wkv, "wkv");
   a.wgate = view(wgate, "wgate");
   a.state_cache = view(state_cache, "state_cache", /*allow_strided_dim0=*/true, &a.state_cache_stride0);
-  a.ape = view(ape, "ape");
+  if (ape) a.ape = view(*ape, "ape");  // None: no APE term
+  a.epilogue = epilogue(norm_weight, norm_eps, rope_cos, rope_sin);
+  if (pooled) a.pooled = view(*pooled, "pooled");
   a.state_block_table = view_opt(state_block_table, "state_block_table");
   a.cu_seqlens = view_opt(cu_seqlens, "cu_seqlens");
   a.seqused = view_opt(seqused, "seqused");
@@ -246,8 +261,11 @@ void backward(const InArray& x, const InArray& wkv, const InArray& wgate, const 
               const InArray& softmax_score, const InArray& kv, const std::optional<InArray>& cu_seqlens,
               const std::optional<InArray>& seqused, const std::optional<InArray>& start_pos,
               std::int64_t cmp_ratio, std::int64_t coff, const OutArray& d_x, const OutArray& d_wkv,
-              const OutArray& d_wgate, const OutArray& d_ape, const std::string& profile,
-              const std::string& precision, int num_threads, std::uintptr_t stream, bool row_stable) {
+              const OutArray& d_wgate, const std::optional<OutArray>& d_ape, const std::string& profile,
+              const std::string& precision, int num_threads, std::uintptr_t stream, bool row_stable,
+              const std::optional<InArray>& norm_weight, float norm_eps,
+              const std::optional<InArray>& rope_cos, const std::optional<InArray>& rope_sin,
+              const std::optional<InArray>& pooled, const std::optional<OutArray>& d_norm_weight) {
   const kvcomp::Options options = make_options(profile, precision, num_threads, stream, row_stable);
   kvcomp::BackwardArgs a;
   a.x = view(x, "x");
@@ -264,7 +282,10 @@ void backward(const InArray& x, const InArray& wkv, const InArray& wgate, const 
   a.d_x = view(d_x, "d_x");
   a.d_wkv = view(d_wkv, "d_wkv");
   a.d_wgate = view(d_wgate, "d_wgate");
-  a.d_ape = view(d_ape, "d_ape");
+  if (d_ape) a.d_ape = view(*d_ape, "d_ape");  // None: a call without APE
+  a.epilogue = epilogue(norm_weight, norm_eps, rope_cos, rope_sin);
+  if (pooled) a.pooled = view(*pooled, "pooled");
+  if (d_norm_weight) a.d_norm_weight = view(*d_norm_weight, "d_norm_weight");
   kvcomp::Status s;
   {
     nb::gil_scoped_release release;
@@ -298,15 +319,19 @@ NB_MODULE(_C, m) {
   });
 
   m.def("forward", &forward, nb::arg("x"), nb::arg("wkv"), nb::arg("wgate"), nb::arg("state_cache"),
-        nb::arg("ape"), nb::arg("state_block_table").none(), nb::arg("cu_seqlens").none(),
+        nb::arg("ape").none(), nb::arg("state_block_table").none(), nb::arg("cu_seqlens").none(),
         nb::arg("seqused").none(), nb::arg("start_pos").none(), nb::arg("cmp_ratio"), nb::arg("coff"),
         nb::arg("cache_mode"), nb::arg("cmp_kv"), nb::arg("softmax_score").none(), nb::arg("kv").none(),
         nb::arg("profile") = "extended", nb::arg("precision") = "precise", nb::arg("num_threads") = 0,
         nb::arg("stream") = 0, nb::arg("prepared_weights").none() = nb::none(), nb::arg("row_stable") = true,
+        nb::arg("norm_weight").none() = nb::none(), nb::arg("norm_eps") = 1e-6f,
+        nb::arg("rope_cos").none() = nb::none(), nb::arg("rope_sin").none() = nb::none(),
+        nb::arg("pooled").none() = nb::none(),
         "Runs kvcomp::compressor_forward on caller-allocated outputs; state_cache is updated in place. "
         "stream: the cudaStream_t (as an integer) of a call on CUDA tensors, 0 for the default stream. "
         "prepared_weights: a blob of prepare_weights for this call's wkv and wgate, or None. "
-        "row_stable: kvcomp::Options::row_stable.");
+        "row_stable: kvcomp::Options::row_stable. ape None: no APE term. norm_weight, norm_eps, rope_cos, "
+        "rope_sin: kvcomp::Epilogue; pooled: its rows before the epilogue (with softmax_score and kv).");
   m.def("prepared_weights_size", &prepared_weights_size, nb::arg("wkv"), nb::arg("wgate"),
         "Bytes of the prepared-weights blob of wkv and wgate (kvcomp::prepared_weights_size).");
   m.def("prepare_weights", &prepare_weights, nb::arg("wkv"), nb::arg("wgate"), nb::arg("blob"),
@@ -314,9 +339,11 @@ NB_MODULE(_C, m) {
   m.def("backward", &backward, nb::arg("x"), nb::arg("wkv"), nb::arg("wgate"), nb::arg("d_cmp_kv"),
         nb::arg("softmax_score"), nb::arg("kv"), nb::arg("cu_seqlens").none(), nb::arg("seqused").none(),
         nb::arg("start_pos").none(), nb::arg("cmp_ratio"), nb::arg("coff"), nb::arg("d_x"), nb::arg("d_wkv"),
-        nb::arg("d_wgate"), nb::arg("d_ape"), nb::arg("profile") = "extended",
+        nb::arg("d_wgate"), nb::arg("d_ape").none(), nb::arg("profile") = "extended",
         nb::arg("precision") = "precise", nb::arg("num_threads") = 0, nb::arg("stream") = 0,
-        nb::arg("row_stable") = true,
+        nb::arg("row_stable") = true, nb::arg("norm_weight").none() = nb::none(), nb::arg("norm_eps") = 1e-6f,
+        nb::arg("rope_cos").none() = nb::none(), nb::arg("rope_sin").none() = nb::none(),
+        nb::arg("pooled").none() = nb::none(), nb::arg("d_norm_weight").none() = nb::none(),
         "Runs kvcomp::compressor_backward on caller-allocated outputs (stream, row_stable: as for forward).");
   m.def("compressed_rows_bsh", &kvcomp::compressed_rows_bsh, nb::arg("S"), nb::arg("cmp_ratio"),
         "Rows of cmp_kv per batch in BSH layout: ceil(S / cmp_ratio).");

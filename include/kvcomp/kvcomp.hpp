@@ -118,6 +118,28 @@ struct Options {
   void* stream = nullptr;
 };
 
+// The model-level epilogue (opt-in; extended profile; host tensors): what DeepSeek-V4's compressor does
+// to each pooled row before it is stored, fused into the operator. In the model's arithmetic:
+// - the pooled row p is rounded to the io dtype;
+// - RMSNorm over D (norm_weight given): x_hat = p * rstd with rstd = 1 / sqrt(mean(p^2) + eps) (the
+//   mean in float64, rstd rounded to fp32, x_hat in fp32), y = weight * x_hat in fp32, rounded to the
+//   io dtype;
+// - RoPE on the last rd channels (rope_cos / rope_sin given): each adjacent pair (y[D-rd+2i],
+//   y[D-rd+2i+1]) as a complex number times cos + i sin of the row's position, in fp32, rounded to
+//   the io dtype. A row's position is its block's first token's: k * cmp_ratio for block k of the
+//   sequence, start_pos counted (the positions are global).
+// cmp_kv then holds the epilogue's rows. A forward with grad_enabled also writes `pooled` (the rounded
+// rows before the epilogue), which the backward takes; the backward's epilogue step (the inverse
+// rotation, the RMSNorm backward) runs in float64 and feeds the pooling's backward in fp32, with no
+// rounding to the io dtype, and writes d_norm_weight, summed over the rows in a fixed order.
+struct Epilogue {
+  std::optional<Tensor> norm_weight;  // [D], f32 or the io dtype: RMSNorm on
+  float norm_eps = 1e-6f;             // RMSNorm's epsilon, > 0
+  std::optional<Tensor> rope_cos;     // f32 [positions, rd / 2], 2 <= rd <= D: RoPE on (with rope_sin)
+  std::optional<Tensor> rope_sin;     // f32, rope_cos's shape
+  bool any() const { return norm_weight || rope_cos || rope_sin; }
+};
+
 // What both operators take: the token matrix, the two projections and the
 // sequence description. Layout: x rank 3 [B,S,H] is BSH, rank 2 [T,H] is TH
 // (then cu_seqlens [B+1] is required; for BSH it must be absent).
@@ -130,11 +152,12 @@ struct SequenceArgs {
   std::optional<Tensor> start_pos;   // int32 [B]; absent: all zero
   std::int64_t cmp_ratio = 4;
   std::int64_t coff = 1;
+  Epilogue epilogue;  // none by default: cmp_kv is the pooled rows, as the NPU operator gives them
 };
 
 struct ForwardArgs : SequenceArgs {
-  Tensor state_cache;                       // f32 [block_num, block_size, 2*coff*D], updated in place
-  Tensor ape;                               // f32 [cmp_ratio, coff*D]
+  Tensor state_cache;  // f32 [block_num, block_size, 2*coff*D], updated in place
+  Tensor ape;          // f32 [cmp_ratio, coff*D]; an empty view (Tensor{}): no APE term (extended profile)
   std::optional<Tensor> state_block_table;  // int32: cache_mode 1 [B, nblk], cache_mode 2 [B]
   std::int64_t cache_mode = 1;              // 1 paged, 2 ring
   std::int64_t state_cache_stride0 = 0;     // element stride of state_cache dim 0; 0: contiguous
@@ -151,19 +174,24 @@ struct ForwardArgs : SequenceArgs {
   Tensor cmp_kv;         // io dtype, BSH [B, ceil(S/r), D], TH [min(T, T/r + B), D]
   Tensor softmax_score;  // f32 [..., coff*r, D]; required when grad_enabled, else may be null
   Tensor kv;             // f32, same shape; the raw assembled kv block (not S*kv)
+  Tensor pooled;         // io dtype, cmp_kv's shape: the rows before the epilogue; required when
+                         // grad_enabled and the call has an epilogue, else unused
 };
 
 struct BackwardArgs : SequenceArgs {
   Tensor d_cmp_kv;       // io dtype, shape of cmp_kv
   Tensor softmax_score;  // f32, from the forward
   Tensor kv;             // f32, from the forward
+  Tensor pooled;         // with an epilogue: the forward's `pooled`; else unused
 
   // outputs
-  Tensor d_x;      // io dtype, shape of x
-  Tensor d_wkv;    // io dtype, [coff*D, H]; or f32 (both; extended profile, CPU): unrounded
-  Tensor d_wgate;  // io dtype, [coff*D, H]; f32 with d_wkv
-  Tensor d_ape;    // f32, [cmp_ratio, coff*D]; or f32 [2, cmp_ratio, coff*D] (extended profile,
-                   // CPU): the float64 sums as hi + lo (hi the f32 result, lo what it rounded off)
+  Tensor d_x;            // io dtype, shape of x
+  Tensor d_wkv;          // io dtype, [coff*D, H]; or f32 (both; extended profile, CPU): unrounded
+  Tensor d_wgate;        // io dtype, [coff*D, H]; f32 with d_wkv
+  Tensor d_ape;          // f32, [cmp_ratio, coff*D]; or f32 [2, cmp_ratio, coff*D] (extended profile,
+                         // CPU): the float64 sums as hi + lo (hi the f32 result, lo what it rounded off);
+                         // an empty view (Tensor{}; extended profile): not computed (a call without APE)
+  Tensor d_norm_weight;  // with epilogue.norm_weight: its shape and dtype; else unused
 };
 
 struct ForwardPlanState;

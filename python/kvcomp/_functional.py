@@ -218,6 +218,10 @@ def compressor_forward(
     num_threads=None,
     prepared_weights=None,
     row_stable=True,
+    norm_weight=None,
+    norm_eps=1e-6,
+    rope_cos=None,
+    rope_sin=None,
 ):
     """The Compressor forward (aclnnCompressor) on torch tensors or numpy arrays.
 
@@ -225,7 +229,7 @@ def compressor_forward(
         x                  io      BSH [B, S, H] or TH [T, H] (then cu_seqlens is required)
         wkv, wgate         io      [C, H]
         state_cache        fp32    [block_num, block_size, 2*C], updated in place (dim 0 may be strided)
-        ape                fp32    [r, C]
+        ape                fp32    [r, C]; None: no APE term (DeepSeek-V4.1; extended profile)
         state_block_table  int32   cache_mode 1: [B, ceil(Smax/block_size)]; cache_mode 2: [B]. Required.
         cu_seqlens         int32   [B+1] (TH only)
         seqused, start_pos int32   [B], optional (whole sequences / all zero)
@@ -235,6 +239,15 @@ def compressor_forward(
     ``row_stable`` (default True): every token's outputs have the bits they have in any other call
     holding that token (chunked prefill, context parallelism). False lets decode-sized CPU calls skip
     the padding that guarantees it (faster; still deterministic); the CUDA backend ignores it.
+
+    The model-level epilogue (DeepSeek-V4's compressor; extended profile, host tensors), opt-in:
+        norm_weight        fp32 or io [D]: RMSNorm over D after the pooling, epsilon ``norm_eps``
+        rope_cos, rope_sin fp32 [positions, rd/2]: RoPE on the last rd channels, each row at its block's
+                           first token's global position (k * cmp_ratio for block k)
+    In the model's arithmetic: the pooled row rounded to the io dtype, the RMSNorm's result and the
+    rotation's each rounded again (docs/semantics.md). With an epilogue the result has a fourth
+    element: ``pooled``, the rows before the epilogue (io, cmp_kv's shape) that the backward takes,
+    when ``grad_enabled``, else None.
 
     Returns:
         (cmp_kv, softmax_score, kv) of the kind of ``x`` (torch tensor or numpy array):
@@ -252,11 +265,14 @@ def compressor_forward(
     )
     d = _width(wkv, coff)
     cmp_kv = _empty(xs, lead + (d,))
-    softmax_score = kv = None
+    softmax_score = kv = pooled = None
+    epilogue = norm_weight is not None or rope_cos is not None or rope_sin is not None
     if grad_enabled:
         block = (max(int(coff), 0) * max(int(cmp_ratio), 0), d)
         softmax_score = _empty(xs, lead + block, fp32=True)
         kv = _empty(xs, lead + block, fp32=True)
+        if epilogue:
+            pooled = _empty(xs, lead + (d,))
     # The state cache is written in place: never copied (dim 0 may be strided), so not in the fast path.
     handed = _cpu_torch_capsules(
         (xs, wkv, wgate, ape, state_block_table, cu, seqused, start_pos, cmp_kv, softmax_score, kv, prepared_weights)
@@ -287,8 +303,22 @@ def compressor_forward(
         stream=_stream(xs),
         prepared_weights=prepared_,
         row_stable=bool(row_stable),
+        **(_epilogue_args(norm_weight, norm_eps, rope_cos, rope_sin) if epilogue else {}),
+        **({"pooled": _dl(pooled)} if pooled is not None else {}),
     )
+    if epilogue:
+        return cmp_kv, softmax_score, kv, pooled
     return cmp_kv, softmax_score, kv
+
+
+def _epilogue_args(norm_weight, norm_eps, rope_cos, rope_sin):
+    """The epilogue's keyword arguments of the core's binding."""
+    return {
+        "norm_weight": _arg(norm_weight, "norm_weight"),
+        "norm_eps": float(norm_eps),
+        "rope_cos": _arg(rope_cos, "rope_cos"),
+        "rope_sin": _arg(rope_sin, "rope_sin"),
+    }
 
 
 def prepare_weights(wkv, wgate, *, num_threads=None):
@@ -339,6 +369,12 @@ def compressor_grad(
     fp32_weight_grads=False,
     float64_d_ape=False,
     row_stable=True,
+    with_ape=True,
+    pooled=None,
+    norm_weight=None,
+    norm_eps=1e-6,
+    rope_cos=None,
+    rope_sin=None,
 ):
     """The CompressorGrad backward (aclnnCompressorGrad) on torch tensors or numpy arrays.
 
@@ -354,6 +390,12 @@ def compressor_grad(
         rounding to fp32, with ``float64_d_ape=True``: CPU only). No block at all gives four zero
         outputs. ``row_stable``: as for ``compressor_forward`` (pass the forward's).
 
+    ``with_ape=False`` (a forward without APE): d_ape is None, not computed. With the forward's
+    epilogue (``norm_weight``, ``norm_eps``, ``rope_cos``, ``rope_sin`` as given to it, and its
+    ``pooled``), ``d_cmp_kv`` is the gradient of the epilogue's rows, and with ``norm_weight`` the
+    result has a fifth element, d_norm_weight (``norm_weight``'s shape and dtype), summed over the rows
+    in a fixed order.
+
     Raises:
         KvcompError: the call was rejected (``.code`` is the aclnn status); nothing was written.
     """
@@ -363,7 +405,12 @@ def compressor_grad(
     d_wkv = _empty(xs, _dims(ws), fp32=fp32_weight_grads)
     d_wgate = _empty(xs, _dims(gs), fp32=fp32_weight_grads)
     dape_shape = (max(int(cmp_ratio), 0), _dims(ws)[0] if len(_dims(ws)) == 2 else 0)
-    d_ape = _empty(xs, ((2,) if float64_d_ape else ()) + dape_shape, fp32=True)
+    d_ape = _empty(xs, ((2,) if float64_d_ape else ()) + dape_shape, fp32=True) if with_ape else None
+    epilogue = norm_weight is not None or rope_cos is not None or rope_sin is not None
+    d_norm_weight = None
+    if norm_weight is not None:
+        nw = _in(norm_weight, "norm_weight")
+        d_norm_weight = _empty(nw, _dims(nw))
     _C.backward(
         _dl(xs),
         _dl(ws),
@@ -383,8 +430,13 @@ def compressor_grad(
         *opts,
         stream=_stream(xs),
         row_stable=bool(row_stable),
+        **(_epilogue_args(norm_weight, norm_eps, rope_cos, rope_sin) if epilogue else {}),
+        **({"pooled": _arg(pooled, "pooled")} if pooled is not None else {}),
+        **({"d_norm_weight": _dl(d_norm_weight)} if d_norm_weight is not None else {}),
     )
-    if float64_d_ape:  # the core writes the float64 sums as hi + lo fp32 parts
+    if float64_d_ape and with_ape:  # the core writes the float64 sums as hi + lo fp32 parts
         d_ape = d_ape[0].astype(np.float64) + d_ape[1] if isinstance(d_ape, np.ndarray) else \
             d_ape[0].double() + d_ape[1].double()
+    if d_norm_weight is not None:
+        return d_x, d_wkv, d_wgate, d_ape, d_norm_weight
     return d_x, d_wkv, d_wgate, d_ape

@@ -458,3 +458,54 @@ def compressor(
         cache_mode, False
     )
     return cmp_kv
+
+
+class _ModelCompressor(torch.autograd.Function):
+    """The operator with the model-level epilogue (RMSNorm, RoPE) and optional APE, with autograd to x,
+    wkv, wgate, ape and norm_weight, through kvcomp._functional. Not a registered operator: under
+    torch.compile it is a graph break."""
+
+    @staticmethod
+    def forward(ctx, x, wkv, wgate, ape, norm_weight, rope_cos, rope_sin, state_cache, state_block_table, cu_seqlens,
+                start_pos, cmp_ratio, coff, cache_mode, norm_eps, precision, profile, row_stable):
+        needs = ctx.needs_input_grad
+        grad = any(needs[:5])
+        out = _functional.compressor_forward(
+            x.detach(), wkv.detach(), wgate.detach(), state_cache, None if ape is None else ape.detach(), cmp_ratio,
+            state_block_table=state_block_table, cu_seqlens=cu_seqlens, start_pos=start_pos, coff=coff,
+            cache_mode=cache_mode, grad_enabled=grad, profile=profile, row_stable=row_stable,
+            norm_weight=None if norm_weight is None else norm_weight.detach(), norm_eps=norm_eps,
+            rope_cos=rope_cos, rope_sin=rope_sin)
+        cmp_kv, softmax_score, kv = out[:3]
+        pooled = out[3] if len(out) > 3 else None
+        if grad:
+            ctx.save_for_backward(x, wkv, wgate, norm_weight, rope_cos, rope_sin, cu_seqlens, start_pos,
+                                  softmax_score, kv, pooled)
+            ctx.kept = (cmp_ratio, coff, norm_eps, precision, profile, row_stable, ape is not None)
+        return cmp_kv
+
+    @staticmethod
+    def backward(ctx, d_cmp_kv):
+        x, wkv, wgate, norm_weight, rope_cos, rope_sin, cu_seqlens, start_pos, softmax_score, kv, pooled = \
+            ctx.saved_tensors
+        cmp_ratio, coff, norm_eps, precision, profile, row_stable, has_ape = ctx.kept
+        grads = _functional.compressor_grad(
+            x, wkv, wgate, d_cmp_kv.contiguous(), softmax_score, kv, cmp_ratio, cu_seqlens=cu_seqlens,
+            start_pos=start_pos, coff=coff, precision=precision, profile=profile, row_stable=row_stable,
+            with_ape=has_ape, pooled=pooled, norm_weight=norm_weight, norm_eps=norm_eps, rope_cos=rope_cos,
+            rope_sin=rope_sin)
+        d_x, d_wkv, d_wgate, d_ape = grads[:4]
+        d_norm = grads[4] if len(grads) > 4 else None
+        return (d_x, d_wkv, d_wgate, d_ape, d_norm) + (None,) * 13
+
+
+def model_compressor(x, wkv, wgate, ape, cmp_ratio, *, state_cache, state_block_table, cu_seqlens=None,
+                     start_pos=None, coff=1, cache_mode=1, norm_weight=None, norm_eps=1e-6, rope_cos=None,
+                     rope_sin=None, row_stable=True):
+    """cmp_kv of the operator with the model-level epilogue (``kvcomp.compressor_forward``'s
+    ``norm_weight`` / ``rope_cos`` / ``rope_sin``) and optional APE (``ape`` None), with autograd to
+    x, wkv, wgate, ape and norm_weight. precision and profile are resolved here, at the forward."""
+    precision, profile = resolved_options()
+    return _ModelCompressor.apply(x, wkv, wgate, ape, norm_weight, rope_cos, rope_sin, state_cache, state_block_table,
+                                  cu_seqlens, start_pos, int(cmp_ratio), int(coff), int(cache_mode), float(norm_eps),
+                                  precision, profile, bool(row_stable))

@@ -199,9 +199,10 @@ class DeepseekV41Compressor(torch.nn.Module):
     Parameters and state_dict keys as the model names them: ``wkv.weight`` ``[head_dim, hidden_size]``,
     ``wgate.weight`` (ratio > 1 only) and ``norm.weight`` ``[head_dim]`` (fp32), so
     ``load_state_dict(model_compressor.state_dict(), strict=True)`` works. The projections and pooling
-    run on kvcomp's operator (coff 1, cmp_ratio = ratio, a zero bias), with the weights cast to the io
-    dtype of ``x`` inside the call so that autograd reaches fp32 parameters; the RMSNorm runs in torch
-    after it. Ratio 1 passes the operator a zero gate, whose softmax over one token is exactly 1: the
+    run on kvcomp's operator (coff 1, cmp_ratio = ratio, no APE), with the weights cast to the io
+    dtype of ``x`` inside the call so that autograd reaches fp32 parameters; the RMSNorm is the
+    operator's epilogue (forward and backward fused, ``norm.weight``'s gradient summed in a fixed
+    order). Ratio 1 passes the operator a zero gate, whose softmax over one token is exactly 1: the
     pooled row is the projection row, bit for bit (the gate's product is computed and unused; a later
     release skips it).
 
@@ -227,17 +228,23 @@ class DeepseekV41Compressor(torch.nn.Module):
     def extra_repr(self):
         return f"hidden_size={self.hidden_size}, head_dim={self.head_dim}, ratio={self.ratio}, eps={self.norm.eps}"
 
-    def pooled(self, x, cu_seqlens=None):
-        """The pooled rows before the RMSNorm, in x's dtype: BSH ``[B, S // ratio, head_dim]``, TH
-        ``[sum over sequences of len // ratio, head_dim]`` (``cu_seqlens`` int32 ``[B + 1]``)."""
+    def pooled(self, x, cu_seqlens=None, *, norm=False):
+        """The pooled rows before the RMSNorm (after it, fused into the operator, with ``norm``), in x's
+        dtype: BSH ``[B, S // ratio, head_dim]``, TH ``[sum over sequences of len // ratio, head_dim]``
+        (``cu_seqlens`` int32 ``[B + 1]``)."""
         r, d = self.ratio, self.head_dim
         wkv = self.wkv.weight.to(x.dtype)
         wgate = self.wgate.weight.to(x.dtype) if self.wgate is not None else torch.zeros_like(wkv)
-        ape = torch.zeros((r, d), dtype=torch.float32, device=x.device)
         if x.dim() == 2 and cu_seqlens is None:
             raise KvcompError(NULL_POINTER, "[kvcomp] cu_seqlens (= None) must be given with TH x [T, H]")
         cache, table = _scratch_state(x, cu_seqlens, r, 2 * d)
-        rows = _kt.compressor(x, wkv, wgate, cache, ape, r, state_block_table=table, cu_seqlens=cu_seqlens, coff=1)
+        rows = _kt.model_compressor(x, wkv, wgate, None, r, state_cache=cache, state_block_table=table,
+                                    cu_seqlens=cu_seqlens, norm_weight=self.norm.weight if norm else None,
+                                    norm_eps=self.norm.eps)
+        return self._complete_rows(x, rows, cu_seqlens)
+
+    def _complete_rows(self, x, rows, cu_seqlens):
+        r = self.ratio
         if x.dim() == 3:
             return rows[:, : x.shape[1] // r]
         # TH: the sequences' rows in order, then zero rows; a sequence of L tokens has L // r of them.
@@ -247,4 +254,4 @@ class DeepseekV41Compressor(torch.nn.Module):
     def forward(self, x, cu_seqlens=None):
         """The compressed rows of ``x`` (BSH ``[B, S, H]``, or TH ``[T, H]`` with ``cu_seqlens``), normed,
         in x's dtype: BSH ``[B, S // ratio, head_dim]``, TH ``[sum of len // ratio, head_dim]``."""
-        return _rms_norm(self.pooled(x, cu_seqlens), self.norm.weight, self.norm.eps)
+        return self.pooled(x, cu_seqlens, norm=True)

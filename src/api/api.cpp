@@ -365,6 +365,7 @@ Status plan_backward(const BackwardArgs& args, const Options& options, BackwardP
       args, options, "backward", detail::validate_backward,
       [](BackwardPlanState& st, const detail::Dims& d, std::size_t* size) {
         st.decision = detail::decide_backward(d, st.options);
+        if (st.args.epilogue.any()) st.decision.epilogue_rows = st.args.d_cmp_kv.numel() / d.D;
         return detail::backward_workspace_size(d, st.decision, st.threads, size);
       },
       [](BackwardPlanState& st, const detail::BlockPlan& bp) {

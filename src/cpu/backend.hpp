@@ -50,6 +50,7 @@ struct BackwardDecision {
   F32Tiling tiling;
   Bf16Kernels bf16;
   BackwardPath path = BackwardPath::f32;
+  std::int64_t epilogue_rows = 0;  // the output rows where the call has an epilogue (its gradient's rows)
 };
 ForwardDecision decide_forward(const Dims& d, const Options& options);
 // The first line of a planned call's verbose report (KVCOMP_VERBOSE=1): the op and the call's shape.

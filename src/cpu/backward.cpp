@@ -11,6 +11,7 @@
 #include "cpu/backend.hpp"
 #include "cpu/block_phases.hpp"
 #include "cpu/convert.hpp"
+#include "cpu/epilogue.hpp"
 #include "cpu/phase_clock.hpp"
 #include "cpu/products/config.hpp"
 #include "cpu/products/onednn_bf16.hpp"
@@ -31,6 +32,8 @@ struct BackwardBuffers {
   float* dnew_t = nullptr;  // [2C, ld_r]: its transpose (oneDNN's transposed-A path runs at half speed)
   float* dxf;               // [Rp, ld_h]: d_x of the chunk before narrowing
   double* dape;             // [r, C]
+  float* dp = nullptr;      // [epilogue rows, D]: the pooled rows' gradient (a call with an epilogue)
+  void* epilogue_scratch = nullptr;
   // bf16 products (products/onednn_bf16.hpp), when the io dtype is bf16 and the CPU has bf16 units. d_new in
   // bf16 as a high part and, in precise mode, a low part (d_new - hi, rounded), which the blocks
   // write themselves (no fp32 rows): both as the d_x product's A [Rp, ld_dn] and, transposed, as the
@@ -92,6 +95,11 @@ struct BackwardBuffers {
     if (!bf16) dnew = ws.take<float>(Rp * ld_c2);
     dxf = ws.take<float>(Rp * ld_h);
     dape = ws.take<double>(d.r * d.C);
+    if (call.epilogue_rows > 0) {
+      dp = ws.take<float>(call.epilogue_rows * d.D);
+      epilogue_scratch =
+          ws.take<unsigned char>(static_cast<std::int64_t>(epilogue_backward_bytes(call.epilogue_rows, d.D)));
+    }
     size = ws.size();
   }
 };
@@ -435,6 +443,7 @@ void write_weight_grads(const BackwardArgs& args, const Dims& d, const BackwardB
     from_f32(buf.dwcat + (C + c) * buf.ld_h, dwgate + static_cast<std::size_t>(c * H) * w_size, w_dt, H);
   }
   auto* dape = static_cast<float*>(args.d_ape.data);
+  if (!dape) return;                        // a call without APE
   const bool parts = args.d_ape.rank == 3;  // [2, r, C]: hi, then lo = the rest of the float64 sum
   for (std::int64_t i = 0; i < d.r * C; ++i) {
     dape[i] = static_cast<float>(buf.dape[i]);
@@ -454,7 +463,9 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, const Backw
     zero_bytes(args.d_x.data, args.d_x.numel(), io_size);
     zero_bytes(args.d_wkv.data, args.d_wkv.numel(), dtype_size(args.d_wkv.dtype));
     zero_bytes(args.d_wgate.data, args.d_wgate.numel(), dtype_size(args.d_wgate.dtype));
-    zero_bytes(args.d_ape.data, args.d_ape.numel(), sizeof(float));
+    if (args.d_ape.data) zero_bytes(args.d_ape.data, args.d_ape.numel(), sizeof(float));
+    if (args.epilogue.norm_weight)
+      zero_bytes(args.d_norm_weight.data, args.d_norm_weight.numel(), dtype_size(args.d_norm_weight.dtype));
     laps.lap(Phase::bwd_outputs);
     return Status::success();
   }
@@ -464,8 +475,16 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, const Backw
   if (Status s = stage_weights(args, d, call, buf, num_threads); !s.ok()) return s;
   laps.lap(Phase::bwd_weights);
 
-  const BackwardBlockInputs in{args.d_cmp_kv.data, static_cast<const float*>(args.softmax_score.data),
-                               static_cast<const float*>(args.kv.data)};
+  BackwardBlockInputs in{args.d_cmp_kv.data, d.io, static_cast<const float*>(args.softmax_score.data),
+                         static_cast<const float*>(args.kv.data)};
+  // The epilogue's backward first: the pooled rows' gradient, in fp32, is what the blocks read.
+  if (const EpilogueView ep = epilogue_view(args.epilogue); ep.any()) {
+    epilogue_backward(plan, ep, call.epilogue_rows, args.pooled.data, args.d_cmp_kv.data, buf.dp,
+                      args.d_norm_weight.data, buf.epilogue_scratch, num_threads);
+    in.d_cmp_kv = buf.dp;
+    in.d_cmp_dtype = DType::f32;
+    laps.lap(Phase::bwd_blocks);
+  }
   // npu_parity's d_x product on the bf16 units may write the io rows itself (chunk_products_bf16).
   bool dx_to_io =
       call.path == BackwardPath::parity16 && bf16_c_rounds_like_f32(call.bf16, buf.dx_io_shape(d));

@@ -56,7 +56,7 @@ void backward_blocks(const BlockPlan& plan, const BackwardBlockInputs& in, std::
   const SimdKernels& kern = simd_kernels();
   const DType parity = npu_parity ? dm.io : DType::f32;
   const auto* dcmp = static_cast<const unsigned char*>(in.d_cmp_kv);
-  const std::size_t io_size = dtype_size(dm.io);
+  const std::size_t io_size = dtype_size(in.d_cmp_dtype);
   // As in forward_blocks: each thread owns a contiguous run of column slices and does all of them for
   // one block before the next, so the block's saved rows are read once per thread. A column's dape sums
   // keep their order (blocks in order), and no two threads share a column.
@@ -80,7 +80,7 @@ void backward_blocks(const BlockPlan& plan, const BackwardBlockInputs& in, std::
           const std::int64_t w = std::min(D, d0 + kSlice) - d0;
           const float* S = in.softmax_score + orow * cr * D + d0;
           const float* K = in.kv + orow * cr * D + d0;
-          kern.to_f32(dcmp + static_cast<std::size_t>(orow * D + d0) * io_size, dm.io, dc, w);
+          kern.to_f32(dcmp + static_cast<std::size_t>(orow * D + d0) * io_size, in.d_cmp_dtype, dc, w);
           // w = sum_j S_j K_j over every row of the block (cache rows included):
           // products of two floats are exact in float64 and the sum of at most
           // 2048 of them loses ~11 bits of 53, far below fp32 resolution.

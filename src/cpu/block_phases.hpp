@@ -20,7 +20,8 @@
 namespace kvcomp::detail {
 
 struct BackwardBlockInputs {
-  const void* d_cmp_kv = nullptr;        // io dtype [out_rows, D]
+  const void* d_cmp_kv = nullptr;        // [out_rows, D], d_cmp_dtype
+  DType d_cmp_dtype = DType::f32;        // the io dtype, or f32 (the epilogue's backward wrote it)
   const float* softmax_score = nullptr;  // [out_rows, coff*r, D]
   const float* kv = nullptr;             // [out_rows, coff*r, D]
 };

@@ -12,6 +12,7 @@
 #include "cpu/backend.hpp"
 #include "cpu/block_phases.hpp"
 #include "cpu/convert.hpp"
+#include "cpu/epilogue.hpp"
 #include "cpu/phase_clock.hpp"
 #include "cpu/prepared.hpp"
 #include "cpu/products/config.hpp"
@@ -554,7 +555,8 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, const Forward
         !s.ok())
       return s;
     laps.lap(Phase::fwd_products);
-    add_ape(plan, static_cast<const float*>(args.ape.data), buf.proj, first, buf.ld_c2, a, b, num_threads);
+    if (args.ape.data)  // else a call without APE
+      add_ape(plan, static_cast<const float*>(args.ape.data), buf.proj, first, buf.ld_c2, a, b, num_threads);
     laps.lap(Phase::fwd_ape);
     io.proj = buf.proj;
     io.proj_first = first;
@@ -563,6 +565,12 @@ Status run_forward(const ForwardArgs& args, const BlockPlan& plan, const Forward
   }
   zero_padding_rows(args, plan);  // last: rows disjoint from the blocks' rows
   laps.lap(Phase::fwd_rows);
+  // The epilogue on the pooled rows, which a call that records the gradient keeps in `pooled` first.
+  if (const EpilogueView ep = epilogue_view(args.epilogue); ep.any()) {
+    epilogue_forward(plan, ep, args.cmp_kv.numel() / d.D, args.cmp_kv.data,
+                     args.grad_enabled ? args.pooled.data : nullptr, num_threads);
+    laps.lap(Phase::fwd_blocks);
+  }
   return Status::success();
 }
 

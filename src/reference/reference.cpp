@@ -114,7 +114,7 @@ ForwardOutputs<Real> forward(const Problem& p, ForwardInputs<Real>& in) {
   check_size(in.x.size(), rows * H, "x");
   check_size(in.wkv.size(), C * H, "wkv");
   check_size(in.wgate.size(), C * H, "wgate");
-  check_size(in.ape.size(), r * C, "ape");
+  if (!in.ape.empty()) check_size(in.ape.size(), r * C, "ape");  // empty: no APE term
   check_size(in.cache.data.size(), in.cache.block_num * in.cache.block_size * 2 * C, "state cache");
 
   ForwardOutputs<Real> out;
@@ -122,6 +122,7 @@ ForwardOutputs<Real> forward(const Problem& p, ForwardInputs<Real>& in) {
   out.softmax_score.assign(idx(out_rows * nrow * D), Real(0));
   out.kv.assign(idx(out_rows * nrow * D), Real(0));
   out.valid.assign(idx(out_rows), 0);
+  out.position.assign(idx(out_rows), -1);
 
   // Projections for every row (spec 1.1); rows beyond seqused are computed but never used.
   std::vector<Real> new_kv(idx(rows * C), Real(0)), new_score(idx(rows * C), Real(0));
@@ -143,7 +144,7 @@ ForwardOutputs<Real> forward(const Problem& p, ForwardInputs<Real>& in) {
     const Batch bt = batch_info(p, b);
 
     // APE (spec 1.2), only on tokens that are used.
-    for (i64 s = 0; s < bt.used; ++s) {
+    for (i64 s = 0; s < bt.used && !in.ape.empty(); ++s) {
       const i64 t = (bt.sp + s) % r;
       for (i64 c = 0; c < C; ++c) new_score[idx((bt.base + s) * C + c)] += in.ape[idx(t * C + c)];
     }
@@ -211,6 +212,7 @@ ForwardOutputs<Real> forward(const Problem& p, ForwardInputs<Real>& in) {
         out.cmp_kv[idx(orow * D + d)] = acc;
       }
       out.valid[idx(orow)] = 1;
+      out.position[idx(orow)] = k * r;
     }
   }
   return out;
@@ -308,6 +310,74 @@ BackwardOutputs<Real> backward(const Problem& p, const BackwardInputs<Real>& in,
   }
   return out;
 }
+
+template <typename Real>
+void epilogue_forward(const Problem& p, const Epilogue<Real>& e, const std::vector<std::int64_t>& position,
+                      std::vector<Real>& rows) {
+  const i64 D = p.D, from = D - 2 * e.pairs;
+  const auto rnd = [&](Real v) { return e.round ? e.round(v) : v; };
+  for (i64 row = 0; row < static_cast<i64>(position.size()); ++row) {
+    const i64 pos = position[idx(row)];
+    if (pos < 0) continue;
+    Real* y = &rows[idx(row * D)];
+    for (i64 i = 0; i < D; ++i) y[i] = rnd(y[i]);  // the pooled row in the io dtype
+    if (!e.norm_weight.empty()) {
+      Real ss = 0;
+      for (i64 i = 0; i < D; ++i) ss += y[i] * y[i];
+      const Real rstd = Real(1) / std::sqrt(ss / static_cast<Real>(D) + e.eps);
+      for (i64 i = 0; i < D; ++i) y[i] = rnd(e.norm_weight[idx(i)] * (y[i] * rstd));
+    }
+    for (i64 q = 0; q < e.pairs; ++q) {
+      const Real c = e.cos[idx(pos * e.pairs + q)], s = e.sin[idx(pos * e.pairs + q)];
+      const Real a = y[from + 2 * q], b = y[from + 2 * q + 1];
+      y[from + 2 * q] = rnd(a * c - b * s);
+      y[from + 2 * q + 1] = rnd(a * s + b * c);
+    }
+  }
+}
+
+template <typename Real>
+void epilogue_backward(const Problem& p, const Epilogue<Real>& e, const std::vector<std::int64_t>& position,
+                       const std::vector<Real>& pooled, std::vector<Real>& d_rows,
+                       std::vector<Real>* d_norm_weight) {
+  const i64 D = p.D, from = D - 2 * e.pairs;
+  if (d_norm_weight) d_norm_weight->assign(idx(D), Real(0));
+  for (i64 row = 0; row < static_cast<i64>(position.size()); ++row) {
+    const i64 pos = position[idx(row)];
+    Real* g = &d_rows[idx(row * D)];
+    if (pos < 0) {
+      std::fill(g, g + D, Real(0));
+      continue;
+    }
+    // The transpose of the rotation.
+    for (i64 q = 0; q < e.pairs; ++q) {
+      const Real c = e.cos[idx(pos * e.pairs + q)], s = e.sin[idx(pos * e.pairs + q)];
+      const Real ga = g[from + 2 * q], gb = g[from + 2 * q + 1];
+      g[from + 2 * q] = ga * c + gb * s;
+      g[from + 2 * q + 1] = gb * c - ga * s;
+    }
+    if (e.norm_weight.empty()) continue;
+    // y_i = w_i * x_i * rstd: dx_i = rstd * (w_i g_i) - x_i * rstd^3 * mean_j(w_j g_j x_j); dw_i = g_i x_i
+    // rstd.
+    const Real* x = &pooled[idx(row * D)];
+    Real ss = 0;
+    for (i64 i = 0; i < D; ++i) ss += x[i] * x[i];
+    const Real rstd = Real(1) / std::sqrt(ss / static_cast<Real>(D) + e.eps);
+    Real m = 0;
+    for (i64 i = 0; i < D; ++i) m += e.norm_weight[idx(i)] * g[i] * x[i];
+    m /= static_cast<Real>(D);
+    for (i64 i = 0; i < D; ++i) {
+      if (d_norm_weight) (*d_norm_weight)[idx(i)] += g[i] * x[i] * rstd;
+      g[i] = rstd * e.norm_weight[idx(i)] * g[i] - x[i] * rstd * rstd * rstd * m;
+    }
+  }
+}
+
+template void epilogue_forward<double>(const Problem&, const Epilogue<double>&,
+                                       const std::vector<std::int64_t>&, std::vector<double>&);
+template void epilogue_backward<double>(const Problem&, const Epilogue<double>&,
+                                        const std::vector<std::int64_t>&, const std::vector<double>&,
+                                        std::vector<double>&, std::vector<double>*);
 
 template ForwardOutputs<double> forward<double>(const Problem&, ForwardInputs<double>&);
 template ForwardOutputs<float> forward<float>(const Problem&, ForwardInputs<float>&);

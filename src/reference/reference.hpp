@@ -50,16 +50,17 @@ struct ForwardInputs {
   std::vector<Real> x;      // [rows, H]
   std::vector<Real> wkv;    // [C, H]
   std::vector<Real> wgate;  // [C, H]
-  std::vector<Real> ape;    // [r, C]
+  std::vector<Real> ape;    // [r, C]; empty: no APE term
   CacheState<Real> cache;   // updated in place by forward()
 };
 
 template <typename Real>
 struct ForwardOutputs {
-  std::vector<Real> cmp_kv;         // [out_rows, D]; padding rows 0
-  std::vector<Real> softmax_score;  // [out_rows, coff*r, D]; interleaved rows; padding 0
-  std::vector<Real> kv;             // same shape; raw assembled kv
-  std::vector<std::uint8_t> valid;  // [out_rows]: 1 for rows holding a compressed block
+  std::vector<Real> cmp_kv;            // [out_rows, D]; padding rows 0
+  std::vector<Real> softmax_score;     // [out_rows, coff*r, D]; interleaved rows; padding 0
+  std::vector<Real> kv;                // same shape; raw assembled kv
+  std::vector<std::uint8_t> valid;     // [out_rows]: 1 for rows holding a compressed block
+  std::vector<std::int64_t> position;  // [out_rows]: the block's first token's position, k * r; -1: none
 };
 
 template <typename Real>
@@ -89,5 +90,27 @@ ForwardOutputs<Real> forward(const Problem& p, ForwardInputs<Real>& in);
 template <typename Real>
 BackwardOutputs<Real> backward(const Problem& p, const BackwardInputs<Real>& in,
                                const std::function<Real(Real)>& round_dnew = {});
+
+// The model-level epilogue (kvcomp.hpp's Epilogue), on rows [out_rows, D] of a forward's cmp_kv, in
+// place: each row holding a block (position >= 0) rounded by `round` (when set: the io dtype), then
+// RMSNorm (norm_weight not empty) and RoPE (pairs > 0) on it, each result rounded again.
+template <typename Real>
+struct Epilogue {
+  std::vector<Real> norm_weight;  // [D]; empty: no RMSNorm
+  Real eps = Real(1e-6);
+  std::vector<Real> cos, sin;  // [positions, pairs]
+  std::int64_t pairs = 0;      // rd / 2; 0: no RoPE
+  std::function<Real(Real)> round;
+};
+template <typename Real>
+void epilogue_forward(const Problem& p, const Epilogue<Real>& e, const std::vector<std::int64_t>& position,
+                      std::vector<Real>& rows);
+// The exact backward (no roundings) of the epilogue at the pooled rows `pooled` (as rounded): d_rows holds
+// the gradient of the epilogue's rows and becomes that of the pooled rows; d_norm_weight (when not null)
+// is summed over the rows.
+template <typename Real>
+void epilogue_backward(const Problem& p, const Epilogue<Real>& e, const std::vector<std::int64_t>& position,
+                       const std::vector<Real>& pooled, std::vector<Real>& d_rows,
+                       std::vector<Real>* d_norm_weight);
 
 }  // namespace kvcomp::ref

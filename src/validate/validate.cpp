@@ -1,6 +1,7 @@
 #include "validate/validate.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -74,6 +75,9 @@ Status check_present(const char* name, const Tensor& t, bool allow_empty_null = 
 }
 
 using Named = std::pair<const char*, const Tensor*>;
+
+// An empty view (Tensor{}: rank 0, no data): an optional input or output left out.
+bool absent(const Tensor& t) { return t.rank == 0 && t.data == nullptr; }
 
 // All tensors of a call live on one device, that of x; the call runs there.
 // Checked before any tensor's data is read (the data checks read the index
@@ -311,12 +315,86 @@ Status check_cache_tables(const ForwardArgs& a, const IndexData& idx, const Bloc
   return Status::success();
 }
 
+// The epilogue's inputs (Epilogue), once the plan is known: every row's position must lie in the RoPE
+// table.
+Status check_epilogue(const SequenceArgs& a, const Options& o, const BlockPlan& plan) {
+  const Epilogue& e = a.epilogue;
+  if (!e.any()) return Status::success();
+  const Dims& d = plan.dims;
+  const char* first = e.norm_weight ? "norm_weight" : "rope_cos";
+  if (o.profile == Profile::aclnn)
+    return invalid(std::string("epilogue.") + first +
+                   " (= given) must be absent under the aclnn profile (the NPU operator has no epilogue)");
+  if (a.x.device.type != DeviceType::cpu)
+    return invalid(std::string("epilogue.") + first + " (= given) must be absent for a call on " +
+                   device_name(a.x.device) +
+                   ": the CUDA backend has no epilogue yet (run the call on host "
+                   "tensors, or the norm and rotation after it)");
+  if (e.norm_weight) {
+    const Tensor& w = *e.norm_weight;
+    if (auto s = check_present("epilogue.norm_weight", w); !s.ok()) return s;
+    if (w.device.type != DeviceType::cpu)
+      return invalid("epilogue.norm_weight (= on " + device_name(w.device) + ") must be in host memory");
+    if (w.dtype != DType::f32 && w.dtype != d.io)
+      return invalid(std::string("epilogue.norm_weight (dtype ") + dtype_name(w.dtype) +
+                     ") must be f32 or the io dtype " + dtype_name(d.io));
+    if (auto s = check_shape("epilogue.norm_weight", w, {d.D}); !s.ok()) return s;
+    if (!(e.norm_eps > 0.0f) || !std::isfinite(e.norm_eps))
+      return invalid("epilogue.norm_eps (= " + std::to_string(e.norm_eps) + ") must be finite and > 0");
+  }
+  if (e.rope_cos.has_value() != e.rope_sin.has_value())
+    return null_ptr(e.rope_cos ? "epilogue.rope_sin" : "epilogue.rope_cos");
+  if (e.rope_cos) {
+    for (const auto& [name, t] :
+         {Named{"epilogue.rope_cos", &*e.rope_cos}, Named{"epilogue.rope_sin", &*e.rope_sin}}) {
+      if (auto s = check_present(name, *t); !s.ok()) return s;
+      if (t->device.type != DeviceType::cpu)
+        return invalid(std::string(name) + " (= on " + device_name(t->device) + ") must be in host memory");
+      if (auto s = check_rank_dtype(name, *t, DType::f32, 2); !s.ok()) return s;
+    }
+    const Tensor& c = *e.rope_cos;
+    if (c.dim(1) < 1 || 2 * c.dim(1) > d.D)
+      return shape("epilogue.rope_cos (shape " + shape_str(c) +
+                   ") must have rd / 2 columns with 2 <= rd <= D (= " + std::to_string(d.D) + ")");
+    if (auto s = check_shape("epilogue.rope_sin", *e.rope_sin, {c.dim(0), c.dim(1)}); !s.ok()) return s;
+    for (std::size_t b = 0; b < plan.batches.size(); ++b) {
+      const BatchSpan& s = plan.batches[b];
+      if (s.nblocks == 0) continue;
+      const std::int64_t last = (s.k0 + s.nblocks - 1) * d.r;  // the last row's position
+      if (last >= c.dim(0))
+        return invalid("epilogue.rope_cos rows (= " + std::to_string(c.dim(0)) + ") must cover position " +
+                       std::to_string(last) + " (the first token of batch " + std::to_string(b) +
+                       "'s last compressed block)");
+    }
+  }
+  return Status::success();
+}
+
+// `pooled` (forward output or backward input) and d_norm_weight, for a call with an epilogue.
+Status check_pooled(const Tensor& pooled, const Tensor& like, const Dims& d) {
+  if (auto s = check_present("pooled", pooled, true); !s.ok()) return s;
+  if (pooled.device != like.device)
+    return invalid("pooled (= " + device_name(pooled.device) + ") must be on the same device as x (" +
+                   device_name(like.device) + ")");
+  if (auto s = check_rank_dtype("pooled", pooled, d.io, like.rank); !s.ok()) return s;
+  if (pooled.rank != like.rank ||
+      !std::equal(like.shape.begin(), like.shape.begin() + like.rank, pooled.shape.begin()))
+    return shape("pooled (shape " + shape_str(pooled) + ") must have the shape of cmp_kv (" +
+                 shape_str(like) + ")");
+  return Status::success();
+}
+
 }  // namespace
 
 Status validate_forward(const ForwardArgs& a, const Options& o, BlockPlan* plan, IndexCopies* copies,
                         const DeviceAccess* device) {
   if (auto s = check_present("state_cache", a.state_cache); !s.ok()) return s;
-  if (auto s = check_present("ape", a.ape); !s.ok()) return s;
+  // No APE term (DeepSeek-V4.1) is an extension; the NPU operator requires the bias.
+  const bool no_ape = absent(a.ape) && o.profile == Profile::extended;
+  if (!no_ape)
+    if (auto s = check_present("ape", a.ape); !s.ok()) return s;
+  if (no_ape && a.x.device.type != DeviceType::cpu)
+    return null_ptr("ape (absent for a call on a CUDA device, which needs it)");
   if (!a.state_block_table) return null_ptr("state_block_table");
   if (auto s = check_present("state_block_table", *a.state_block_table, true); !s.ok()) return s;
   if (auto s = check_present("cmp_kv", a.cmp_kv, true); !s.ok()) return s;
@@ -326,8 +404,8 @@ Status validate_forward(const ForwardArgs& a, const Options& o, BlockPlan* plan,
   }
   std::vector<Named> on_device;
   add_sequence(on_device, a);
-  on_device.insert(on_device.end(),
-                   {{"state_cache", &a.state_cache}, {"ape", &a.ape}, {"cmp_kv", &a.cmp_kv}});
+  on_device.insert(on_device.end(), {{"state_cache", &a.state_cache}, {"cmp_kv", &a.cmp_kv}});
+  if (!no_ape) on_device.emplace_back("ape", &a.ape);
   add_optional(on_device, "state_block_table", a.state_block_table);
   if (a.grad_enabled || a.softmax_score.data) on_device.emplace_back("softmax_score", &a.softmax_score);
   if (a.grad_enabled || a.kv.data) on_device.emplace_back("kv", &a.kv);
@@ -335,7 +413,8 @@ Status validate_forward(const ForwardArgs& a, const Options& o, BlockPlan* plan,
   Dims d;
   if (auto s = validate_sequence(a, o, true, &d); !s.ok()) return s;
   if (auto s = check_rank_dtype("state_cache", a.state_cache, DType::f32, 3); !s.ok()) return s;
-  if (auto s = check_rank_dtype("ape", a.ape, DType::f32, 2); !s.ok()) return s;
+  if (!no_ape)
+    if (auto s = check_rank_dtype("ape", a.ape, DType::f32, 2); !s.ok()) return s;
   if (a.cache_mode != 1 && a.cache_mode != 2)
     return invalid("cache_mode (= " + std::to_string(a.cache_mode) + ") must be 1 (paged) or 2 (ring)");
   if (auto s =
@@ -368,7 +447,8 @@ Status validate_forward(const ForwardArgs& a, const Options& o, BlockPlan* plan,
                                   std::max<std::int64_t>(1, a.state_cache.dim(0) - 1))
     return invalid("state_cache_stride0 (= " + std::to_string(a.state_cache_stride0) +
                    ") must keep the cache's byte extent within int64");
-  if (auto s = check_shape("ape", a.ape, {d.r, d.C}); !s.ok()) return s;
+  if (!no_ape)
+    if (auto s = check_shape("ape", a.ape, {d.r, d.C}); !s.ok()) return s;
   if (a.state_block_table->dim(0) != d.B)
     return shape("state_block_table (shape " + shape_str(*a.state_block_table) + ") must have " +
                  std::to_string(d.B) + " rows (B)");
@@ -390,19 +470,24 @@ Status validate_forward(const ForwardArgs& a, const Options& o, BlockPlan* plan,
   if (auto s = build_plan(idx, d, &p); !s.ok()) return s;
   if (auto s = check_th_rows("cmp_kv", a.cmp_kv, p); !s.ok()) return s;
   if (auto s = check_cache_tables(a, idx, p); !s.ok()) return s;
+  if (auto s = check_epilogue(a, o, p); !s.ok()) return s;
+  if (a.grad_enabled && a.epilogue.any())
+    if (auto s = check_pooled(a.pooled, a.cmp_kv, d); !s.ok()) return s;
   *plan = std::move(p);
   return Status::success();
 }
 
 Status validate_backward(const BackwardArgs& a, const Options& o, BlockPlan* plan, IndexCopies* copies,
                          const DeviceAccess* device) {
-  const std::pair<const char*, const Tensor*> required[] = {{"d_cmp_kv", &a.d_cmp_kv},
-                                                            {"softmax_score", &a.softmax_score},
-                                                            {"kv", &a.kv},
-                                                            {"d_x", &a.d_x},
-                                                            {"d_wkv", &a.d_wkv},
-                                                            {"d_wgate", &a.d_wgate},
-                                                            {"d_ape", &a.d_ape}};
+  // d_ape may be left out (an empty view) under the extended profile: a call without APE.
+  const bool no_dape = absent(a.d_ape) && o.profile == Profile::extended;
+  std::vector<Named> required = {{"d_cmp_kv", &a.d_cmp_kv},
+                                 {"softmax_score", &a.softmax_score},
+                                 {"kv", &a.kv},
+                                 {"d_x", &a.d_x},
+                                 {"d_wkv", &a.d_wkv},
+                                 {"d_wgate", &a.d_wgate}};
+  if (!no_dape) required.emplace_back("d_ape", &a.d_ape);
   // An empty tensor may come without storage: it is reported as empty
   // (561002) below, not as a null pointer.
   for (const auto& [name, t] : required)
@@ -436,10 +521,13 @@ Status validate_backward(const BackwardArgs& a, const Options& o, BlockPlan* pla
   if (auto s = check_rank_dtype("d_wgate", a.d_wgate, wgrad_dt, 2); !s.ok()) return s;
   // d_ape: f32 [r, C]; or (extended profile, CPU) f32 [2, r, C]: the float64 sums as hi + lo parts.
   const bool dape_parts = a.d_ape.rank == 3 && o.profile == Profile::extended;
+  if (no_dape && a.x.device.type != DeviceType::cpu)
+    return null_ptr("d_ape (absent for a call on a CUDA device, which computes it)");
   if (dape_parts && a.d_ape.device.type != DeviceType::cpu)
     return invalid("d_ape (rank 3 on " + device_name(a.d_ape.device) +
                    ") must have rank 2: its float64 hi + lo parts are computed on the CPU only");
-  if (auto s = check_rank_dtype("d_ape", a.d_ape, DType::f32, dape_parts ? 3 : 2); !s.ok()) return s;
+  if (!no_dape)
+    if (auto s = check_rank_dtype("d_ape", a.d_ape, DType::f32, dape_parts ? 3 : 2); !s.ok()) return s;
   for (const auto& [name, t] : non_empty)
     if (t->numel() == 0)
       return shape(std::string(name) + " (shape " + shape_str(*t) +
@@ -454,7 +542,8 @@ Status validate_backward(const BackwardArgs& a, const Options& o, BlockPlan* pla
   }
   if (auto s = check_shape("d_wkv", a.d_wkv, {d.C, d.H}); !s.ok()) return s;
   if (auto s = check_shape("d_wgate", a.d_wgate, {d.C, d.H}); !s.ok()) return s;
-  if (dape_parts) {
+  if (no_dape) {
+  } else if (dape_parts) {
     if (auto s = check_shape("d_ape", a.d_ape, {2, d.r, d.C}); !s.ok()) return s;
   } else if (auto s = check_shape("d_ape", a.d_ape, {d.r, d.C}); !s.ok()) {
     return s;
@@ -466,6 +555,18 @@ Status validate_backward(const BackwardArgs& a, const Options& o, BlockPlan* pla
   if (auto s = check_th_rows("d_cmp_kv", a.d_cmp_kv, p); !s.ok()) return s;
   if (auto s = check_th_rows("softmax_score", a.softmax_score, p); !s.ok()) return s;
   if (auto s = check_th_rows("kv", a.kv, p); !s.ok()) return s;
+  if (auto s = check_epilogue(a, o, p); !s.ok()) return s;
+  if (a.epilogue.any())
+    if (auto s = check_pooled(a.pooled, a.d_cmp_kv, d); !s.ok()) return s;
+  if (a.epilogue.norm_weight) {
+    const Tensor& w = *a.epilogue.norm_weight;
+    if (auto s = check_present("d_norm_weight", a.d_norm_weight); !s.ok()) return s;
+    if (a.d_norm_weight.device != w.device)
+      return invalid("d_norm_weight (= " + device_name(a.d_norm_weight.device) +
+                     ") must be on the device of norm_weight (" + device_name(w.device) + ")");
+    if (auto s = check_rank_dtype("d_norm_weight", a.d_norm_weight, w.dtype, 1); !s.ok()) return s;
+    if (auto s = check_shape("d_norm_weight", a.d_norm_weight, {d.D}); !s.ok()) return s;
+  }
   *plan = std::move(p);
   return Status::success();
 }
