@@ -12,6 +12,12 @@ single-process or context-parallel::
 RMSNorm), with that model's parameter names::
 
     self.compressor = kvcomp.nn.DeepseekV41Compressor(hidden_size, head_dim, ratio=2, eps=1e-6)
+
+``kvcomp.nn.DeepseekV4Compressor``: a drop-in for DeepSeek-V4's ``Compressor`` (the reference model's
+constructor, parameter names, ``kv_cache`` / ``freqs_cis`` attributes, prefill and decode), with the
+pooling on kvcomp's operator and RMSNorm and RoPE in torch::
+
+    self.compressor = kvcomp.nn.DeepseekV4Compressor(args, self.compress_ratio, self.head_dim)
 """
 
 import math
@@ -503,5 +509,5 @@ class DeepseekV4Compressor(torch.nn.Module):
             return self._epilogue(rows, freqs_cis[0 : n * r : r])
         rows = self._pool(x, cache, table, cu_seqlens=cu_seqlens)
         counts = ((cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64) // r).tolist()
-        first = torch.cat([torch.arange(n, dtype=torch.int64) * r for n in counts] or [torch.zeros(0, dtype=torch.int64)])
+        first = torch.cat([torch.arange(n, dtype=torch.int64) * r for n in counts + [0]])
         return self._epilogue(rows[: first.numel()], freqs_cis[first.to(freqs_cis.device)])
