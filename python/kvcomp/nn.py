@@ -313,9 +313,9 @@ class DeepseekV4Compressor(torch.nn.Module):
     x_hat).to(dtype)``) and RoPE on the last ``rope_head_dim`` channels at the position of the block's
     first token (``freqs_cis[k * r]`` for block k). The projections, the softmax and the pooling run on
     kvcomp's operator (deterministic, bitwise the same for any thread count), with the weights cast to
-    the io dtype of ``x`` inside the call so that autograd reaches the fp32 parameters: exact for the
-    checkpoint's weights (bf16 values), a rounding of fp32 weights that the io dtype cannot hold (the
-    model multiplies fp32 weights). The RMSNorm and RoPE run in torch after it (``_v4_epilogue``).
+    the io dtype of ``x`` inside the call so that autograd reaches the fp32 parameters: exact where the
+    io dtype holds the weights (the checkpoint's bf16 values in bf16 io), a rounding of the weights
+    otherwise (the model multiplies the fp32 weights). The RMSNorm and RoPE run in torch after it (``_v4_epilogue``).
 
     Not here: the FP8 simulation of the non-RoPE channels and the FP4 simulation (the model's
     quantisation steps, applied by the caller if wanted), and the indexer's Hadamard rotation
