@@ -12,6 +12,12 @@ single-process or context-parallel::
 RMSNorm), with that model's parameter names::
 
     self.compressor = kvcomp.nn.DeepseekV41Compressor(hidden_size, head_dim, ratio=2, eps=1e-6)
+
+``kvcomp.nn.DeepseekV4Compressor``: a drop-in for DeepSeek-V4's ``Compressor`` (the reference model's
+constructor, parameter names, ``kv_cache`` / ``freqs_cis`` attributes, prefill and decode), with the
+pooling on kvcomp's operator and RMSNorm and RoPE in torch::
+
+    self.compressor = kvcomp.nn.DeepseekV4Compressor(args, self.compress_ratio, self.head_dim)
 """
 
 import math
@@ -24,7 +30,7 @@ from . import _ops as _kt
 from ._errors import INVALID_PARAM, NULL_POINTER, KvcompError
 from ._functional import prepare_weights as _prepare_weights
 
-__all__ = ["Compressor", "DeepseekV41Compressor"]
+__all__ = ["Compressor", "DeepseekV41Compressor", "DeepseekV4Compressor"]
 
 
 class Compressor(torch.nn.Module):
@@ -79,29 +85,8 @@ class Compressor(torch.nn.Module):
         self._prepared = None
 
     def _weights_for(self, x, wkv_p, wgate_p):
-        """(wkv, wgate, prepared blob or None) in x's dtype for a one-process call on the parameters
-        ``wkv_p`` and ``wgate_p`` (this module's, read once by the caller): kept between calls that record
-        no gradient, else cast per call (so autograd reaches the parameters)."""
-        records_grad = torch.is_grad_enabled() and (wkv_p.requires_grad or wgate_p.requires_grad)
-        if records_grad or torch.compiler.is_compiling():
-            return wkv_p.to(x.dtype), wgate_p.to(x.dtype), None
-        # The parameter objects themselves (held, so that no other tensor can take their memory while
-        # the copy is kept), their storage and version counters; inference mode makes inference
-        # tensors, kept apart from the others.
-        key = (x.dtype, x.device, torch.is_inference_mode_enabled(), wkv_p.data_ptr(), wkv_p._version,
-               wgate_p.data_ptr(), wgate_p._version)
-        # One read of self._prepared and one write: calls from several threads each use a whole
-        # tuple (at worst two of them make one each).
-        p = self._prepared
-        if p is None or p[0] is not wkv_p or p[1] is not wgate_p or p[2] != key:
-            self._prepared = p = None  # the old copy goes before the new one is made
-            with torch.no_grad():
-                wkv = wkv_p.to(x.dtype).contiguous()
-                wgate = wgate_p.to(x.dtype).contiguous()
-                blob = _prepare_weights(wkv, wgate) if x.device.type == "cpu" else None
-            p = (wkv_p, wgate_p, key, wkv, wgate, blob)
-            self._prepared = p
-        return p[3:]
+        """(wkv, wgate, prepared blob or None) in x's dtype for a one-process call: ``_kept_weights``."""
+        return _kept_weights(self, x, wkv_p, wgate_p)
 
     def reset_parameters(self):
         for w in (self.wkv, self.wgate):
@@ -162,6 +147,33 @@ class Compressor(torch.nn.Module):
                                          prepared_weights=blob, _empties=False)[0]
 
 
+def _kept_weights(owner, x, wkv_p, wgate_p):
+    """(wkv, wgate, prepared blob or None) in x's dtype for a one-process call on the parameters
+    ``wkv_p`` and ``wgate_p`` of the module ``owner`` (read once by the caller): kept in
+    ``owner._prepared`` between calls that record no gradient, else cast per call (so autograd reaches
+    the parameters)."""
+    records_grad = torch.is_grad_enabled() and (wkv_p.requires_grad or wgate_p.requires_grad)
+    if records_grad or torch.compiler.is_compiling():
+        return wkv_p.to(x.dtype), wgate_p.to(x.dtype), None
+    # The parameter objects themselves (held, so that no other tensor can take their memory while
+    # the copy is kept), their storage and version counters; inference mode makes inference
+    # tensors, kept apart from the others.
+    key = (x.dtype, x.device, torch.is_inference_mode_enabled(), wkv_p.data_ptr(), wkv_p._version,
+           wgate_p.data_ptr(), wgate_p._version)
+    # One read of owner._prepared and one write: calls from several threads each use a whole
+    # tuple (at worst two of them make one each).
+    p = owner._prepared
+    if p is None or p[0] is not wkv_p or p[1] is not wgate_p or p[2] != key:
+        owner._prepared = p = None  # the old copy goes before the new one is made
+        with torch.no_grad():
+            wkv = wkv_p.to(x.dtype).contiguous()
+            wgate = wgate_p.to(x.dtype).contiguous()
+            blob = _prepare_weights(wkv, wgate) if x.device.type == "cpu" else None
+        p = (wkv_p, wgate_p, key, wkv, wgate, blob)
+        owner._prepared = p
+    return p[3:]
+
+
 def _scratch_state(x, cu_seqlens, ratio, width):
     """A one-block state cache that is never written (every block-table entry 0) and its table, for a
     stateless call: no row comes from before the sequences, and the tail tokens are not kept."""
@@ -179,13 +191,6 @@ class _NormWeight(torch.nn.Module):
         super().__init__()
         self.eps = float(eps)
         self.weight = torch.nn.Parameter(torch.ones(dim, device=device, dtype=torch.float32))
-
-
-def _rms_norm(rows, weight, eps):
-    """The model's RMSNorm over the last dim: fp32 statistics, ``(weight * x_hat).to(rows.dtype)``."""
-    x = rows.float()
-    x_hat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * x_hat).to(rows.dtype)
 
 
 class DeepseekV41Compressor(torch.nn.Module):
@@ -255,3 +260,254 @@ class DeepseekV41Compressor(torch.nn.Module):
         """The compressed rows of ``x`` (BSH ``[B, S, H]``, or TH ``[T, H]`` with ``cu_seqlens``), normed,
         in x's dtype: BSH ``[B, S // ratio, head_dim]``, TH ``[sum of len // ratio, head_dim]``."""
         return self.pooled(x, cu_seqlens, norm=True)
+
+
+def _v4_epilogue(rows, norm_weight, eps, cos, sin):
+    """DeepSeek-V4's compressor epilogue: RMSNorm over the last dim, then RoPE on its last
+    ``2 * cos.shape[-1]`` channels. ``rows`` ``[..., n, head_dim]`` (or ``[n, head_dim]``) in the io dtype;
+    ``norm_weight`` fp32 ``[head_dim]``; ``cos`` / ``sin`` fp32 ``[n, rope_head_dim / 2]``, the real and
+    imaginary parts of the model's ``freqs_cis`` at each row's block-first-token position. Returns the
+    io dtype.
+
+    RMSNorm as the model computes it: fp32 statistics, ``x_hat = x * rsqrt(mean(x^2) + eps)``,
+    ``(norm_weight * x_hat).to(dtype)``. The sum of squares is taken pairwise in a fixed order (halving
+    the width with elementwise adds) instead of a torch reduction, whose order may depend on the number
+    of rows and threads: a row's result depends on the row alone, so decode rows are the prefill's bit
+    for bit. RoPE as the model computes it: channels (2i, 2i+1) of the rounded normed row, in fp32, form
+    ``a + ib``, multiplied by ``cos[i] + i sin[i]`` as torch's complex64 product does (``a cos - b sin``,
+    ``a sin + b cos``, each product rounded to fp32), then rounded to the io dtype."""
+    dtype = rows.dtype
+    x = rows.float()
+    width = x.shape[-1]
+    sq = x * x
+    padded = 1 << max(width - 1, 0).bit_length()
+    if padded != width:
+        sq = torch.nn.functional.pad(sq, (0, padded - width))
+    while sq.shape[-1] > 1:
+        half = sq.shape[-1] // 2
+        sq = sq[..., :half] + sq[..., half:]
+    x_hat = x * torch.rsqrt(sq / width + eps)
+    normed = (norm_weight * x_hat).to(dtype)
+    rd = 2 * cos.shape[-1]
+    if rd == 0:
+        return normed
+    pairs = normed[..., width - rd:].float().unflatten(-1, (-1, 2))
+    a, b = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2).to(dtype)
+    return torch.cat((normed[..., : width - rd], rotated), dim=-1)
+
+
+_UNSET = object()
+
+
+class DeepseekV4Compressor(torch.nn.Module):
+    """DeepSeek-V4's compressor (the reference model's ``Compressor``), a drop-in for it::
+
+        self.compressor = kvcomp.nn.DeepseekV4Compressor(args, self.compress_ratio, self.head_dim)
+
+    Per block of ``compress_ratio`` tokens (blocks aligned on positions 0, r, 2r, ...): projections
+    ``kv = x wkv^T``, ``score = x wgate^T + ape[pos % r]``, per channel a softmax of the scores over the
+    block's tokens (with ``coff = 2``, exactly when the ratio is 4, the block also holds the previous
+    block's tokens in the first ``head_dim`` channels), the pooled row ``sum(softmax * kv)`` rounded to
+    the io dtype; then RMSNorm over ``head_dim`` (fp32 statistics and weight, ``(weight *
+    x_hat).to(dtype)``) and RoPE on the last ``rope_head_dim`` channels at the position of the block's
+    first token (``freqs_cis[k * r]`` for block k). The projections, the softmax and the pooling run on
+    kvcomp's operator (deterministic, bitwise the same for any thread count), with the weights cast to
+    the io dtype of ``x`` inside the call so that autograd reaches the fp32 parameters: exact where the
+    io dtype holds the weights (the checkpoint's bf16 values in bf16 io), a rounding of the weights
+    otherwise (the model multiplies the fp32 weights). The RMSNorm and RoPE run in torch after it (``_v4_epilogue``).
+
+    Not here: the FP8 simulation of the non-RoPE channels and the FP4 simulation (the model's
+    quantisation steps, applied by the caller if wanted), and the indexer's Hadamard rotation
+    (``rotate=True`` is refused).
+
+    Parameters and state_dict keys are the model's: ``ape`` fp32 ``[r, coff*head_dim]``, ``wkv.weight``
+    and ``wgate.weight`` ``[coff*head_dim, dim]``, ``norm.weight`` fp32 ``[head_dim]``, so
+    ``load_state_dict(model_compressor.state_dict(), strict=True)`` works both ways. The model's
+    attention assigns ``kv_cache`` (``[max_batch_size, max_seq_len // r, head_dim]``, written by
+    ``forward``; None: nothing written) and ``freqs_cis`` (complex64 ``[max_seq_len, rope_head_dim / 2]``,
+    required). The decode state is the buffer ``state_cache`` (fp32, kvcomp's state cache: one ring
+    block of ``coff*r`` slots per batch slot after a reserved block 0; not in the state_dict).
+
+    ``forward(x, start_pos)``: the model's call. ``start_pos == 0`` is a prefill of ``x`` BSH ``[bsz,
+    seqlen, dim]``, ``bsz <= max_batch_size``: returns the rows of the complete blocks ``[bsz, seqlen //
+    r, head_dim]`` (None when there is none), with autograd to ``x`` and every parameter, writes them to
+    ``kv_cache[:bsz, :seqlen // r]`` and keeps the tokens later decode calls need in the state of batch
+    slots ``[0, bsz)``. ``start_pos > 0`` is one decode step (``seqlen == 1``): returns the row
+    ``[bsz, 1, head_dim]`` of the block the token closes (written to ``kv_cache[:bsz, start_pos // r]``)
+    or None. ``train_rows(x, cu_seqlens)`` is the stateless form for training (BSH or TH).
+
+    Args:
+        args: an object with ``dim``, ``rope_head_dim``, ``norm_eps``, ``max_batch_size`` (the model's
+            ModelArgs), or None; the keywords of the same names override it. ``norm_eps`` defaults to
+            1e-6, ``max_batch_size`` to 1.
+        compress_ratio: r (4 and 128 in the model; any r >= 1 here).
+        head_dim: D (512 for the attention's compressor, 128 for the indexer's).
+        rotate: must be False.
+        device, dtype: of the projections' weights (default fp32; ``ape`` and ``norm.weight`` are fp32).
+    """
+
+    def __init__(self, args=None, compress_ratio: int = 4, head_dim: int = 512, rotate: bool = False, *,
+                 dim=None, rope_head_dim=None, norm_eps=None, max_batch_size=None, device=None,
+                 dtype=torch.float32):
+        super().__init__()
+        if rotate:
+            raise KvcompError(INVALID_PARAM, f"[kvcomp] rotate (= {rotate}) must be False: the Hadamard rotation "
+                                             "of the indexer's compressor is not supported")
+
+        def setting(name, given, default=_UNSET):
+            value = given if given is not None else getattr(args, name, None)
+            if value is None:
+                if default is _UNSET:
+                    raise KvcompError(NULL_POINTER, f"[kvcomp] {name} (= None) must be given, in args or as a "
+                                                    "keyword")
+                value = default
+            return value
+
+        self.dim = int(setting("dim", dim))
+        self.rope_head_dim = int(setting("rope_head_dim", rope_head_dim))
+        eps = float(setting("norm_eps", norm_eps, 1e-6))
+        self.max_batch_size = int(setting("max_batch_size", max_batch_size, 1))
+        self.head_dim, self.compress_ratio, self.rotate = int(head_dim), int(compress_ratio), False
+        if self.compress_ratio < 1:
+            raise KvcompError(INVALID_PARAM, f"[kvcomp] compress_ratio (= {compress_ratio}) must be >= 1")
+        if self.rope_head_dim % 2 or not 0 <= self.rope_head_dim <= self.head_dim:
+            raise KvcompError(INVALID_PARAM, f"[kvcomp] rope_head_dim (= {self.rope_head_dim}) must be even and "
+                                             f"in [0, head_dim (= {self.head_dim})]")
+        if self.max_batch_size < 1:
+            raise KvcompError(INVALID_PARAM, f"[kvcomp] max_batch_size (= {self.max_batch_size}) must be >= 1")
+        self.nope_head_dim = self.head_dim - self.rope_head_dim
+        self.overlap = self.compress_ratio == 4
+        self.coff = 2 if self.overlap else 1
+        r, c = self.compress_ratio, self.coff * self.head_dim
+        kw = dict(device=device, dtype=dtype)
+        self.ape = torch.nn.Parameter(torch.zeros(r, c, device=device, dtype=torch.float32))
+        self.wkv = torch.nn.Linear(self.dim, c, bias=False, **kw)
+        self.wgate = torch.nn.Linear(self.dim, c, bias=False, **kw)
+        self.norm = _NormWeight(self.head_dim, eps, device=device)
+        # Paged view: block 0 is never written (block id 0 = do not write), block 1 + b*coff + j holds
+        # the positions p of batch slot b with (p // r) % coff == j. The same rows seen as one ring block
+        # of coff*r slots per batch slot (slot p % (coff*r)) are the decode calls' cache (_ring_state).
+        self.register_buffer("state_cache", torch.zeros((1 + self.max_batch_size * self.coff, r, 2 * c),
+                                                        device=device, dtype=torch.float32), persistent=False)
+        self.kv_cache = None
+        self.freqs_cis = None
+        self._prepared = None  # the weights kept for calls without gradient (_kept_weights)
+
+    def extra_repr(self):
+        return (f"dim={self.dim}, head_dim={self.head_dim}, rope_head_dim={self.rope_head_dim}, "
+                f"compress_ratio={self.compress_ratio}, coff={self.coff}, norm_eps={self.norm.eps}, "
+                f"max_batch_size={self.max_batch_size}")
+
+    def forget_prepared_weights(self):
+        """Drops the weights kept for calls without gradient (as ``kvcomp.nn.Compressor``'s)."""
+        self._prepared = None
+
+    def _ring_state(self):
+        r, c = self.compress_ratio, self.coff * self.head_dim
+        return self.state_cache[1:].view(self.max_batch_size, self.coff * r, 2 * c)
+
+    def _pool(self, x, state, table, *, cu_seqlens=None, start_pos=None, cache_mode=1):
+        """kvcomp's operator on ``x``: the pooled rows, in x's dtype (``kvcomp.torch.compressor``'s
+        layout)."""
+        wkv_p, wgate_p, ape = self.wkv.weight, self.wgate.weight, self.ape
+        if ape.dtype != torch.float32:
+            ape = ape.to(torch.float32)
+        wkv, wgate, blob = _kept_weights(self, x, wkv_p, wgate_p)
+        if blob is None:
+            return _kt.compressor(x, wkv, wgate, state, ape, self.compress_ratio, state_block_table=table,
+                                  cu_seqlens=cu_seqlens, start_pos=start_pos, coff=self.coff, cache_mode=cache_mode)
+        return _kt.forward_with_gradient(x, wkv, wgate, state, ape, table, cu_seqlens, None, start_pos,
+                                         self.compress_ratio, self.coff, cache_mode, False, prepared_weights=blob,
+                                         _empties=False)[0]
+
+    def _epilogue(self, rows, freqs_cis):
+        """RMSNorm and RoPE of ``rows`` ``[..., n, head_dim]``, ``freqs_cis`` complex ``[n, rope_head_dim / 2]``
+        (each row's block-first-token position)."""
+        return _v4_epilogue(rows, self.norm.weight, self.norm.eps, freqs_cis.real, freqs_cis.imag)
+
+    def _freqs(self):
+        if self.freqs_cis is None:
+            raise KvcompError(NULL_POINTER, "[kvcomp] freqs_cis (= None) must be assigned before the first call "
+                                            "(complex64 [max_seq_len, rope_head_dim / 2], as the model's "
+                                            "attention does)")
+        return self.freqs_cis
+
+    def forward(self, x, start_pos: int = 0):
+        """The model's ``Compressor.forward`` (see the class doc): the new rows, normed and rotated, or
+        None when no block closes."""
+        if x.dim() != 3:
+            raise KvcompError(INVALID_PARAM, f"[kvcomp] x.dim() (= {x.dim()}) must be 3 (BSH [bsz, seqlen, dim]); "
+                                             "train_rows takes TH")
+        bsz, seqlen, _ = x.shape
+        start_pos = int(start_pos)
+        if bsz > self.max_batch_size:
+            raise KvcompError(INVALID_PARAM, f"[kvcomp] x.shape[0] (= {bsz}) must be <= max_batch_size (= "
+                                             f"{self.max_batch_size}): the decode state holds one sequence per "
+                                             "batch slot")
+        if start_pos < 0:
+            raise KvcompError(INVALID_PARAM, f"[kvcomp] start_pos (= {start_pos}) must be >= 0")
+        if start_pos == 0:
+            return self._prefill(x)
+        if seqlen != 1:
+            raise KvcompError(INVALID_PARAM, f"[kvcomp] x.shape[1] (= {seqlen}) must be 1 when start_pos (= "
+                                             f"{start_pos}) > 0: decode takes one token per call")
+        return self._decode(x, start_pos)
+
+    def _prefill(self, x):
+        bsz, seqlen, _ = x.shape
+        r, coff = self.compress_ratio, self.coff
+        freqs_cis = self._freqs()
+        if seqlen == 0:
+            return None
+        cutoff = seqlen - seqlen % r
+        # Later decode calls read positions from `keep` on: the tail and, with coff 2, the last
+        # complete block; those are written (paged view), the rest goes to block 0 (not written).
+        keep = max(0, cutoff - (coff - 1) * r)
+        col = torch.arange(-(-seqlen // r), dtype=torch.int32, device=x.device)
+        slot = torch.arange(bsz, dtype=torch.int32, device=x.device)[:, None]
+        table = torch.where(col * r >= keep, 1 + slot * coff + col % coff, torch.zeros_like(col))
+        rows = self._pool(x, self.state_cache, table.to(torch.int32))
+        if cutoff == 0:
+            return None
+        out = self._epilogue(rows[:, : cutoff // r], freqs_cis[0:cutoff:r])
+        if self.kv_cache is not None:
+            with torch.no_grad():
+                self.kv_cache[:bsz, : cutoff // r] = out
+        return out
+
+    def _decode(self, x, start_pos):
+        bsz = x.shape[0]
+        r = self.compress_ratio
+        freqs_cis = self._freqs()
+        pos = torch.full((bsz,), start_pos, dtype=torch.int32, device=x.device)
+        table = torch.arange(bsz, dtype=torch.int32, device=x.device)
+        rows = self._pool(x, self._ring_state(), table, start_pos=pos, cache_mode=2)
+        if (start_pos + 1) % r:
+            return None
+        first = start_pos + 1 - r
+        out = self._epilogue(rows, freqs_cis[first : first + 1])
+        if self.kv_cache is not None:
+            with torch.no_grad():
+                self.kv_cache[:bsz, start_pos // r] = out[:, 0]
+        return out
+
+    def train_rows(self, x, cu_seqlens=None):
+        """Stateless: the rows of every complete block of each sequence, normed and rotated (block k of
+        a sequence at position k*r), in x's dtype, with autograd to ``x`` and every parameter; no state
+        or kv_cache is read or written, any batch size. BSH ``x`` ``[B, S, dim]`` -> ``[B, S // r,
+        head_dim]``; TH ``x`` ``[T, dim]`` with ``cu_seqlens`` (int32 ``[B + 1]``) -> ``[sum of len // r,
+        head_dim]``, the sequences' rows in order."""
+        r = self.compress_ratio
+        freqs_cis = self._freqs()
+        if x.dim() == 2 and cu_seqlens is None:
+            raise KvcompError(NULL_POINTER, "[kvcomp] cu_seqlens (= None) must be given with TH x [T, dim]")
+        cache, table = _scratch_state(x, cu_seqlens if x.dim() == 2 else None, r, 2 * self.coff * self.head_dim)
+        if x.dim() == 3:
+            n = x.shape[1] // r
+            rows = self._pool(x, cache, table)[:, :n]
+            return self._epilogue(rows, freqs_cis[0 : n * r : r])
+        rows = self._pool(x, cache, table, cu_seqlens=cu_seqlens)
+        counts = ((cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64) // r).tolist()
+        first = torch.cat([torch.arange(n, dtype=torch.int64) * r for n in counts + [0]])
+        return self._epilogue(rows[: first.numel()], freqs_cis[first.to(freqs_cis.device)])
