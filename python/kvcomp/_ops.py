@@ -69,7 +69,7 @@ class Signature:
                 t = t + "(a!)"
             s = f"{t} {rename.get(n, n)}"
             if d is not _REQUIRED:
-                s += "=" + ("None" if d is None else str(d) if isinstance(d, (bool, int)) else f'"{d}"')
+                s += "=" + ("None" if d is None else repr(d) if isinstance(d, (bool, int, float)) else f'"{d}"')
             parts.append(s)
         return f"{name}({', '.join(parts)}) -> {self.returns}"
 
@@ -460,52 +460,184 @@ def compressor(
     return cmp_kv
 
 
-class _ModelCompressor(torch.autograd.Function):
-    """The operator with the model-level epilogue (RMSNorm, RoPE) and optional APE, with autograd to x,
-    wkv, wgate, ape and norm_weight, through kvcomp._functional. Not a registered operator: under
-    torch.compile it is a graph break."""
+# The operator with the model-level epilogue (RMSNorm, RoPE) and optional APE: three more operators,
+# apart from the three above so that theirs stay the upstream operator's (npu_compat derives the
+# upstream schemas from them). The same kernels; arguments that are None mean "not used".
+_EPILOGUE_PARAMS = [
+    ("norm_weight", "Tensor?", None),
+    ("norm_eps", "float", 1e-6),
+    ("rope_cos", "Tensor?", None),
+    ("rope_sin", "Tensor?", None),
+]
 
-    @staticmethod
-    def forward(ctx, x, wkv, wgate, ape, norm_weight, rope_cos, rope_sin, state_cache, state_block_table, cu_seqlens,
-                start_pos, cmp_ratio, coff, cache_mode, norm_eps, precision, profile, row_stable):
-        needs = ctx.needs_input_grad
-        grad = any(needs[:5])
-        out = _functional.compressor_forward(
-            x.detach(), wkv.detach(), wgate.detach(), state_cache, None if ape is None else ape.detach(), cmp_ratio,
-            state_block_table=state_block_table, cu_seqlens=cu_seqlens, start_pos=start_pos, coff=coff,
-            cache_mode=cache_mode, grad_enabled=grad, profile=profile, row_stable=row_stable,
-            norm_weight=None if norm_weight is None else norm_weight.detach(), norm_eps=norm_eps,
-            rope_cos=rope_cos, rope_sin=rope_sin)
-        cmp_kv, softmax_score, kv = out[:3]
-        pooled = out[3] if len(out) > 3 else None
-        if grad:
-            ctx.save_for_backward(x, wkv, wgate, norm_weight, rope_cos, rope_sin, cu_seqlens, start_pos,
-                                  softmax_score, kv, pooled)
-            ctx.kept = (cmp_ratio, coff, norm_eps, precision, profile, row_stable, ape is not None)
-        return cmp_kv
 
-    @staticmethod
-    def backward(ctx, d_cmp_kv):
-        x, wkv, wgate, norm_weight, rope_cos, rope_sin, cu_seqlens, start_pos, softmax_score, kv, pooled = \
-            ctx.saved_tensors
-        cmp_ratio, coff, norm_eps, precision, profile, row_stable, has_ape = ctx.kept
-        grads = _functional.compressor_grad(
-            x, wkv, wgate, d_cmp_kv.contiguous(), softmax_score, kv, cmp_ratio, cu_seqlens=cu_seqlens,
-            start_pos=start_pos, coff=coff, precision=precision, profile=profile, row_stable=row_stable,
-            with_ape=has_ape, pooled=pooled, norm_weight=norm_weight, norm_eps=norm_eps, rope_cos=rope_cos,
-            rope_sin=rope_sin)
-        d_x, d_wkv, d_wgate, d_ape = grads[:4]
-        d_norm = grads[4] if len(grads) > 4 else None
-        return (d_x, d_wkv, d_wgate, d_ape, d_norm) + (None,) * 13
+def _optional(params, names):
+    """``params`` with the schema type of ``names`` made optional."""
+    return [(n, t + "?" if n in names and not t.endswith("?") else t, d) for n, t, d in params]
+
+
+MODEL_FORWARD = Signature(
+    "model_compressor_forward",
+    _optional(FORWARD.params[:FORWARD_UPSTREAM], ("ape",)) + _EPILOGUE_PARAMS + list(FORWARD.params[FORWARD_UPSTREAM:]),
+    "(Tensor, Tensor, Tensor, Tensor)",
+    mutates=("state_cache",),
+)
+MODEL_BACKWARD = Signature(
+    "model_compressor_backward",
+    list(BACKWARD.params[:BACKWARD_UPSTREAM])
+    + [("with_ape", "bool", True), ("pooled", "Tensor?", None)]
+    + _EPILOGUE_PARAMS
+    + list(BACKWARD.params[BACKWARD_UPSTREAM:]),
+    "(Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+MODEL_ANCHOR = Signature(
+    "model_compressor_grad_anchor",
+    _optional(ANCHOR.params[:12], ("ape",))
+    + [("pooled", "Tensor?", None)]
+    + _EPILOGUE_PARAMS
+    + list(ANCHOR.params[12:]),
+    "Tensor",
+)
+_MODEL_DIFFERENTIABLE = ("x", "wkv", "wgate", "ape", "norm_weight")
+
+
+def _has_epilogue(a):
+    return a.norm_weight is not None or a.rope_cos is not None or a.rope_sin is not None
+
+
+def _model_forward(a):
+    """model_compressor_forward on its bound arguments ``a``: (cmp_kv, softmax_score, kv, pooled), the
+    ones not computed as empty [0] tensors."""
+    out = _functional.compressor_forward(
+        a.x, a.wkv, a.wgate, a.state_cache, a.ape, a.cmp_ratio, state_block_table=a.state_block_table,
+        cu_seqlens=a.cu_seqlens, seqused=a.seqused, start_pos=a.start_pos, coff=a.coff, cache_mode=a.cache_mode,
+        grad_enabled=a.grad_enabled, prepared_weights=a.prepared_weights, profile=a.profile,
+        row_stable=a.row_stable, norm_weight=a.norm_weight, norm_eps=a.norm_eps, rope_cos=a.rope_cos,
+        rope_sin=a.rope_sin)
+    def empty(t, dtype=torch.float32):  # one each: a custom operator's outputs may not alias
+        return a.x.new_empty((0,), dtype=dtype) if t is None else t
+
+    cmp_kv, softmax_score, kv = out[:3]
+    return cmp_kv, empty(softmax_score), empty(kv), empty(out[3] if len(out) > 3 else None, a.x.dtype)
+
+
+@torch.library.custom_op("kvcomp::model_compressor_forward", mutates_args=MODEL_FORWARD.mutates,
+                         schema=MODEL_FORWARD.schema())
+def model_compressor_forward_op(*args, **kwargs):
+    """compressor_forward with the model-level epilogue (``norm_weight``, ``norm_eps``, ``rope_cos``,
+    ``rope_sin``; see ``kvcomp.compressor_forward``) and ``ape`` optional. Returns (cmp_kv,
+    softmax_score, kv, pooled): ``pooled`` (the rows before the epilogue, cmp_kv's shape) with
+    ``grad_enabled`` and an epilogue, else an empty [0] tensor of x's dtype; softmax_score and kv as
+    compressor_forward's."""
+    return _model_forward(MODEL_FORWARD.bind(args, kwargs))
+
+
+@model_compressor_forward_op.register_fake
+def _model_compressor_forward_fake(*args, **kwargs):
+    a = MODEL_FORWARD.bind(args, kwargs)
+    cmp_kv, softmax_score, kv = _compressor_forward_fake(
+        *(getattr(a, n) for n in FORWARD.names[:FORWARD_UPSTREAM]))
+    pooled = a.x.new_empty(cmp_kv.shape if a.grad_enabled and _has_epilogue(a) else (0,))
+    return cmp_kv, softmax_score, kv, pooled
+
+
+@torch.library.custom_op("kvcomp::model_compressor_backward", mutates_args=(), schema=MODEL_BACKWARD.schema())
+def model_compressor_backward_op(*args, **kwargs):
+    """The backward of model_compressor_forward: (d_x, d_wkv, d_wgate, d_ape, d_norm_weight), d_ape an
+    empty [0] fp32 tensor without ``with_ape``, d_norm_weight (norm_weight's shape and dtype) an empty
+    [0] tensor without ``norm_weight``. ``d_cmp_kv`` is the gradient of the epilogue's rows."""
+    a = MODEL_BACKWARD.bind(args, kwargs)
+    grads = _functional.compressor_grad(
+        a.x, a.wkv, a.wgate, a.d_cmp_kv, a.softmax_score, a.kv, a.cmp_ratio, cu_seqlens=a.cu_seqlens,
+        seqused=a.seqused, start_pos=a.start_pos, coff=a.coff, fp32_weight_grads=a.fp32_weight_grads,
+        float64_d_ape=a.float64_d_ape, precision=a.precision, profile=a.profile, row_stable=a.row_stable,
+        with_ape=a.with_ape, pooled=a.pooled, norm_weight=a.norm_weight, norm_eps=a.norm_eps, rope_cos=a.rope_cos,
+        rope_sin=a.rope_sin)
+    d_x, d_wkv, d_wgate, d_ape = grads[:4]
+    if d_ape is None:
+        d_ape = a.x.new_empty((0,), dtype=torch.float32)
+    d_norm = grads[4] if len(grads) > 4 else a.x.new_empty((0,))
+    return d_x, d_wkv, d_wgate, d_ape, d_norm
+
+
+@model_compressor_backward_op.register_fake
+def _model_compressor_backward_fake(*args, **kwargs):
+    a = MODEL_BACKWARD.bind(args, kwargs)
+    d_x, d_wkv, d_wgate, d_ape = _compressor_backward_fake(*(getattr(a, n) for n in BACKWARD.names[:BACKWARD_UPSTREAM]),
+                                                           fp32_weight_grads=a.fp32_weight_grads,
+                                                           float64_d_ape=a.float64_d_ape)
+    if not a.with_ape:
+        d_ape = a.x.new_empty((0,), dtype=torch.float32)
+    d_norm = a.norm_weight.new_empty(a.norm_weight.shape) if a.norm_weight is not None else a.x.new_empty((0,))
+    return d_x, d_wkv, d_wgate, d_ape, d_norm
+
+
+@torch.library.custom_op("kvcomp::model_compressor_grad_anchor", mutates_args=(), schema=MODEL_ANCHOR.schema())
+def model_compressor_grad_anchor_op(*args, **kwargs):
+    """compressor_grad_anchor for model_compressor_forward: a copy of ``cmp_kv`` whose autograd formula
+    is model_compressor_backward wrt x, wkv, wgate, ape and norm_weight."""
+    return MODEL_ANCHOR.bind(args, kwargs).cmp_kv.clone()
+
+
+@model_compressor_grad_anchor_op.register_fake
+def _model_compressor_grad_anchor_fake(*args, **kwargs):
+    cmp_kv = MODEL_ANCHOR.bind(args, kwargs).cmp_kv
+    return cmp_kv.new_empty(cmp_kv.shape)
+
+
+_MODEL_SAVED = ("x", "wkv", "wgate", "softmax_score", "kv", "pooled", "norm_weight", "rope_cos", "rope_sin",
+                "cu_seqlens", "seqused", "start_pos")
+_MODEL_KEPT = ("cmp_ratio", "coff", "norm_eps", "precision", "profile", "row_stable")
+
+
+def _model_anchor_setup_context(ctx, inputs, output):
+    a = MODEL_ANCHOR.bind(inputs, {})
+    ctx.save_for_backward(*(getattr(a, n) for n in _MODEL_SAVED))
+    for n in _MODEL_KEPT:
+        setattr(ctx, n, getattr(a, n))
+    ctx.with_ape = a.ape is not None
+
+
+def _model_anchor_backward(ctx, d_cmp_kv):
+    args = dict(zip(_MODEL_SAVED, ctx.saved_tensors))
+    args.update({n: getattr(ctx, n) for n in _MODEL_KEPT})
+    grads = torch.ops.kvcomp.model_compressor_backward(d_cmp_kv=d_cmp_kv.contiguous(), with_ape=ctx.with_ape, **args)
+    need = dict(zip(MODEL_ANCHOR.names, ctx.needs_input_grad))
+    by_name = dict(zip(_MODEL_DIFFERENTIABLE, grads))
+    return tuple(by_name[n] if n in by_name and need[n] else None for n in MODEL_ANCHOR.names)
+
+
+torch.library.register_autograd("kvcomp::model_compressor_grad_anchor", _model_anchor_backward,
+                                setup_context=_model_anchor_setup_context)
 
 
 def model_compressor(x, wkv, wgate, ape, cmp_ratio, *, state_cache, state_block_table, cu_seqlens=None,
-                     start_pos=None, coff=1, cache_mode=1, norm_weight=None, norm_eps=1e-6, rope_cos=None,
-                     rope_sin=None, row_stable=True):
+                     seqused=None, start_pos=None, coff=1, cache_mode=1, norm_weight=None, norm_eps=1e-6,
+                     rope_cos=None, rope_sin=None, prepared_weights=None, precision=None, profile=None,
+                     row_stable=True):
     """cmp_kv of the operator with the model-level epilogue (``kvcomp.compressor_forward``'s
-    ``norm_weight`` / ``rope_cos`` / ``rope_sin``) and optional APE (``ape`` None), with autograd to
-    x, wkv, wgate, ape and norm_weight. precision and profile are resolved here, at the forward."""
-    precision, profile = resolved_options()
-    return _ModelCompressor.apply(x, wkv, wgate, ape, norm_weight, rope_cos, rope_sin, state_cache, state_block_table,
-                                  cu_seqlens, start_pos, int(cmp_ratio), int(coff), int(cache_mode), float(norm_eps),
-                                  precision, profile, bool(row_stable))
+    ``norm_weight`` / ``norm_eps`` / ``rope_cos`` / ``rope_sin``) and optional APE (``ape`` None), with
+    autograd to x, wkv, wgate, ape and norm_weight (registered operators: torch.compile traces them,
+    fullgraph). ``precision`` / ``profile``: None for the defaults in force now, resolved here, at the
+    forward. ``prepared_weights``: as for ``forward_with_gradient``."""
+    precision, profile = resolved_options(precision, profile)
+    differentiable = (x, wkv, wgate, ape, norm_weight)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)
+    a = MODEL_FORWARD.Args(x, wkv, wgate, state_cache, ape, state_block_table, cu_seqlens, seqused, start_pos,
+                           int(cmp_ratio), int(coff), int(cache_mode), needs_grad, norm_weight, float(norm_eps),
+                           rope_cos, rope_sin, prepared_weights, profile, bool(row_stable))
+    if not needs_grad and _dispatch_free(differentiable + (state_cache, state_block_table, cu_seqlens, seqused,
+                                                           start_pos, rope_cos, rope_sin, prepared_weights),
+                                         state_cache):
+        cmp_kv = _model_forward(a)[0]
+        torch.autograd.graph.increment_version(state_cache)  # as the dispatcher does for a mutated argument
+        return cmp_kv
+    detached = a._replace(**{n: getattr(a, n).detach() for n in ("x", "wkv", "wgate", "ape", "norm_weight")
+                             if getattr(a, n) is not None})
+    cmp_kv, softmax_score, kv, pooled = torch.ops.kvcomp.model_compressor_forward(*detached)
+    if not needs_grad:
+        return cmp_kv
+    return torch.ops.kvcomp.model_compressor_grad_anchor(
+        cmp_kv, x, wkv, wgate, ape, softmax_score, kv, cu_seqlens, seqused, start_pos, int(cmp_ratio), int(coff),
+        pooled if _has_epilogue(a) else None, norm_weight, float(norm_eps), rope_cos, rope_sin,
+        precision, profile, bool(row_stable))

@@ -211,35 +211,54 @@ class DeepseekV41Compressor(torch.nn.Module):
     pooled row is the projection row, bit for bit (the gate's product is computed and unused; a later
     release skips it).
 
+    Serving: with ``max_batch_size`` > 0 the module keeps each sequence's pending tokens (the open
+    group: at most ``ratio - 1`` tokens) in kvcomp's state cache, the buffer ``state_cache`` (fp32,
+    not in the state_dict), and ``forward(x, start_pos=...)`` prefills and decodes token by token (see
+    ``forward``).
+
     Args:
         hidden_size: H.
         head_dim: D.
         ratio: tokens per compressed row (the model uses 1 and 2; any ratio >= 1 here).
         eps: RMSNorm's epsilon.
+        max_batch_size: batch slots of the decode state (0, the default: stateless calls only).
         device, dtype: of the projections' weights (default fp32; norm.weight is always fp32).
     """
 
-    def __init__(self, hidden_size: int, head_dim: int, ratio: int, eps: float = 1e-6, *, device=None,
-                 dtype=torch.float32):
+    def __init__(self, hidden_size: int, head_dim: int, ratio: int, eps: float = 1e-6, *, max_batch_size: int = 0,
+                 device=None, dtype=torch.float32):
         super().__init__()
         if int(ratio) < 1:
             raise KvcompError(INVALID_PARAM, f"[kvcomp] ratio (= {ratio}) must be >= 1")
+        if int(max_batch_size) < 0:
+            raise KvcompError(INVALID_PARAM, f"[kvcomp] max_batch_size (= {max_batch_size}) must be >= 0")
         self.hidden_size, self.head_dim, self.ratio = int(hidden_size), int(head_dim), int(ratio)
+        self.max_batch_size = int(max_batch_size)
         kw = dict(device=device, dtype=dtype)
         self.wkv = torch.nn.Linear(self.hidden_size, self.head_dim, bias=False, **kw)
         self.wgate = torch.nn.Linear(self.hidden_size, self.head_dim, bias=False, **kw) if self.ratio > 1 else None
         self.norm = _NormWeight(self.head_dim, eps, device=device)
+        # Decode state (max_batch_size > 0): block 0 is never written (block id 0 = do not write),
+        # block 1 + b holds batch slot b's pending tokens (positions of its open group); the same rows
+        # seen as one ring block of `ratio` slots per batch slot are the decode calls' cache.
+        self.register_buffer("state_cache", torch.zeros((1 + self.max_batch_size, self.ratio, 2 * self.head_dim),
+                                                        device=device, dtype=torch.float32)
+                             if self.max_batch_size else None, persistent=False)
 
     def extra_repr(self):
-        return f"hidden_size={self.hidden_size}, head_dim={self.head_dim}, ratio={self.ratio}, eps={self.norm.eps}"
+        return (f"hidden_size={self.hidden_size}, head_dim={self.head_dim}, ratio={self.ratio}, eps={self.norm.eps}"
+                + (f", max_batch_size={self.max_batch_size}" if self.max_batch_size else ""))
+
+    def _gate(self, x):
+        wkv = self.wkv.weight.to(x.dtype)
+        return wkv, self.wgate.weight.to(x.dtype) if self.wgate is not None else torch.zeros_like(wkv)
 
     def pooled(self, x, cu_seqlens=None, *, norm=False):
         """The pooled rows before the RMSNorm (after it, fused into the operator, with ``norm``), in x's
         dtype: BSH ``[B, S // ratio, head_dim]``, TH ``[sum over sequences of len // ratio, head_dim]``
         (``cu_seqlens`` int32 ``[B + 1]``)."""
         r, d = self.ratio, self.head_dim
-        wkv = self.wkv.weight.to(x.dtype)
-        wgate = self.wgate.weight.to(x.dtype) if self.wgate is not None else torch.zeros_like(wkv)
+        wkv, wgate = self._gate(x)
         if x.dim() == 2 and cu_seqlens is None:
             raise KvcompError(NULL_POINTER, "[kvcomp] cu_seqlens (= None) must be given with TH x [T, H]")
         cache, table = _scratch_state(x, cu_seqlens, r, 2 * d)
@@ -256,45 +275,54 @@ class DeepseekV41Compressor(torch.nn.Module):
         lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
         return rows[: int((lens // r).sum())]
 
-    def forward(self, x, cu_seqlens=None):
+    def forward(self, x, cu_seqlens=None, *, start_pos=None):
         """The compressed rows of ``x`` (BSH ``[B, S, H]``, or TH ``[T, H]`` with ``cu_seqlens``), normed,
-        in x's dtype: BSH ``[B, S // ratio, head_dim]``, TH ``[sum of len // ratio, head_dim]``."""
-        return self.pooled(x, cu_seqlens, norm=True)
+        in x's dtype: BSH ``[B, S // ratio, head_dim]``, TH ``[sum of len // ratio, head_dim]``.
 
+        With ``start_pos`` (an int; needs ``max_batch_size``), the serving form on the module's decode
+        state, batch row b in batch slot b: ``start_pos == 0`` is a prefill of BSH ``x`` (``B <=
+        max_batch_size``), returning the same rows and keeping each sequence's pending tokens (its open
+        group); ``start_pos > 0`` is one decode step (``S == 1``, the token at position ``start_pos`` of
+        every sequence): the row ``[B, 1, head_dim]`` of the group it closes, or None when it closes
+        none. The rows of a decode loop are those of one call on the whole sequences, bit for bit."""
+        if start_pos is None:
+            return self.pooled(x, cu_seqlens, norm=True)
+        return self._serve(x, int(start_pos))
 
-def _v4_epilogue(rows, norm_weight, eps, cos, sin):
-    """DeepSeek-V4's compressor epilogue: RMSNorm over the last dim, then RoPE on its last
-    ``2 * cos.shape[-1]`` channels. ``rows`` ``[..., n, head_dim]`` (or ``[n, head_dim]``) in the io dtype;
-    ``norm_weight`` fp32 ``[head_dim]``; ``cos`` / ``sin`` fp32 ``[n, rope_head_dim / 2]``, the real and
-    imaginary parts of the model's ``freqs_cis`` at each row's block-first-token position. Returns the
-    io dtype.
-
-    RMSNorm as the model computes it: fp32 statistics, ``x_hat = x * rsqrt(mean(x^2) + eps)``,
-    ``(norm_weight * x_hat).to(dtype)``. The sum of squares is taken pairwise in a fixed order (halving
-    the width with elementwise adds) instead of a torch reduction, whose order may depend on the number
-    of rows and threads: a row's result depends on the row alone, so decode rows are the prefill's bit
-    for bit. RoPE as the model computes it: channels (2i, 2i+1) of the rounded normed row, in fp32, form
-    ``a + ib``, multiplied by ``cos[i] + i sin[i]`` as torch's complex64 product does (``a cos - b sin``,
-    ``a sin + b cos``, each product rounded to fp32), then rounded to the io dtype."""
-    dtype = rows.dtype
-    x = rows.float()
-    width = x.shape[-1]
-    sq = x * x
-    padded = 1 << max(width - 1, 0).bit_length()
-    if padded != width:
-        sq = torch.nn.functional.pad(sq, (0, padded - width))
-    while sq.shape[-1] > 1:
-        half = sq.shape[-1] // 2
-        sq = sq[..., :half] + sq[..., half:]
-    x_hat = x * torch.rsqrt(sq / width + eps)
-    normed = (norm_weight * x_hat).to(dtype)
-    rd = 2 * cos.shape[-1]
-    if rd == 0:
-        return normed
-    pairs = normed[..., width - rd:].float().unflatten(-1, (-1, 2))
-    a, b = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2).to(dtype)
-    return torch.cat((normed[..., : width - rd], rotated), dim=-1)
+    def _serve(self, x, start_pos):
+        r, d = self.ratio, self.head_dim
+        if self.state_cache is None:
+            raise KvcompError(INVALID_PARAM, "[kvcomp] max_batch_size (= 0) must be > 0 for calls with start_pos "
+                                             "(the decode state holds one sequence per batch slot)")
+        if x.dim() != 3:
+            raise KvcompError(INVALID_PARAM, f"[kvcomp] x.dim() (= {x.dim()}) must be 3 (BSH) with start_pos")
+        bsz, seqlen, _ = x.shape
+        if bsz > self.max_batch_size:
+            raise KvcompError(INVALID_PARAM, f"[kvcomp] x.shape[0] (= {bsz}) must be <= max_batch_size (= "
+                                             f"{self.max_batch_size})")
+        if start_pos < 0:
+            raise KvcompError(INVALID_PARAM, f"[kvcomp] start_pos (= {start_pos}) must be >= 0")
+        if start_pos > 0 and seqlen != 1:
+            raise KvcompError(INVALID_PARAM, f"[kvcomp] x.shape[1] (= {seqlen}) must be 1 when start_pos (= "
+                                             f"{start_pos}) > 0: decode takes one token per call")
+        wkv, wgate = self._gate(x)
+        common = dict(norm_weight=self.norm.weight, norm_eps=self.norm.eps)
+        if start_pos == 0:
+            # Paged view: the open group's positions (from cutoff on) go to slot b's block, the rest to
+            # block 0 (not written).
+            cutoff = seqlen - seqlen % r
+            col = torch.arange(-(-seqlen // r), dtype=torch.int32, device=x.device)
+            slot = torch.arange(bsz, dtype=torch.int32, device=x.device)[:, None]
+            table = torch.where(col * r >= cutoff, 1 + slot, torch.zeros_like(col)).to(torch.int32)
+            rows = _kt.model_compressor(x, wkv, wgate, None, r, state_cache=self.state_cache,
+                                        state_block_table=table, **common)
+            return rows[:, : cutoff // r]
+        ring = self.state_cache[1:].view(self.max_batch_size, r, 2 * d)
+        pos = torch.full((bsz,), start_pos, dtype=torch.int32, device=x.device)
+        table = torch.arange(bsz, dtype=torch.int32, device=x.device)
+        rows = _kt.model_compressor(x, wkv, wgate, None, r, state_cache=ring, state_block_table=table, start_pos=pos,
+                                    cache_mode=2, **common)
+        return rows if (start_pos + 1) % r == 0 else None
 
 
 _UNSET = object()
@@ -315,7 +343,9 @@ class DeepseekV4Compressor(torch.nn.Module):
     kvcomp's operator (deterministic, bitwise the same for any thread count), with the weights cast to
     the io dtype of ``x`` inside the call so that autograd reaches the fp32 parameters: exact where the
     io dtype holds the weights (the checkpoint's bf16 values in bf16 io), a rounding of the weights
-    otherwise (the model multiplies the fp32 weights). The RMSNorm and RoPE run in torch after it (``_v4_epilogue``).
+    otherwise (the model multiplies the fp32 weights). The RMSNorm and RoPE are the operator's epilogue
+    (forward and backward fused into the call, ``norm.weight``'s gradient summed in a fixed order; the
+    mean of squares taken in float64, so a row may differ from the model's fp32 mean by one io ulp).
 
     Not here: the FP8 simulation of the non-RoPE channels and the FP4 simulation (the model's
     quantisation steps, applied by the caller if wanted), and the indexer's Hadamard rotation
@@ -393,6 +423,7 @@ class DeepseekV4Compressor(torch.nn.Module):
         self.kv_cache = None
         self.freqs_cis = None
         self._prepared = None  # the weights kept for calls without gradient (_kept_weights)
+        self._rope = None  # freqs_cis as contiguous cos and sin tables (_rope_tables)
 
     def extra_repr(self):
         return (f"dim={self.dim}, head_dim={self.head_dim}, rope_head_dim={self.rope_head_dim}, "
@@ -407,31 +438,41 @@ class DeepseekV4Compressor(torch.nn.Module):
         r, c = self.compress_ratio, self.coff * self.head_dim
         return self.state_cache[1:].view(self.max_batch_size, self.coff * r, 2 * c)
 
-    def _pool(self, x, state, table, *, cu_seqlens=None, start_pos=None, cache_mode=1):
-        """kvcomp's operator on ``x``: the pooled rows, in x's dtype (``kvcomp.torch.compressor``'s
-        layout)."""
+    def _rows(self, x, state, table, *, cu_seqlens=None, start_pos=None, cache_mode=1):
+        """kvcomp's operator on ``x`` with the epilogue (RMSNorm, then RoPE at each row's block-first-token
+        position): the rows in x's dtype (``kvcomp.torch.compressor``'s layout)."""
         wkv_p, wgate_p, ape = self.wkv.weight, self.wgate.weight, self.ape
         if ape.dtype != torch.float32:
             ape = ape.to(torch.float32)
         wkv, wgate, blob = _kept_weights(self, x, wkv_p, wgate_p)
-        if blob is None:
-            return _kt.compressor(x, wkv, wgate, state, ape, self.compress_ratio, state_block_table=table,
-                                  cu_seqlens=cu_seqlens, start_pos=start_pos, coff=self.coff, cache_mode=cache_mode)
-        return _kt.forward_with_gradient(x, wkv, wgate, state, ape, table, cu_seqlens, None, start_pos,
-                                         self.compress_ratio, self.coff, cache_mode, False, prepared_weights=blob,
-                                         _empties=False)[0]
+        cos, sin = self._rope_tables()
+        return _kt.model_compressor(x, wkv, wgate, ape, self.compress_ratio, state_cache=state,
+                                    state_block_table=table, cu_seqlens=cu_seqlens, start_pos=start_pos,
+                                    coff=self.coff, cache_mode=cache_mode, norm_weight=self.norm.weight,
+                                    norm_eps=self.norm.eps, rope_cos=cos, rope_sin=sin, prepared_weights=blob)
 
-    def _epilogue(self, rows, freqs_cis):
-        """RMSNorm and RoPE of ``rows`` ``[..., n, head_dim]``, ``freqs_cis`` complex ``[n, rope_head_dim / 2]``
-        (each row's block-first-token position)."""
-        return _v4_epilogue(rows, self.norm.weight, self.norm.eps, freqs_cis.real, freqs_cis.imag)
-
-    def _freqs(self):
+    def _rope_tables(self):
+        """(cos, sin) fp32 ``[max_seq_len, rope_head_dim / 2]``, contiguous, of ``freqs_cis`` (kept while
+        the same tensor, unchanged, is assigned); (None, None) when rope_head_dim is 0."""
         if self.freqs_cis is None:
             raise KvcompError(NULL_POINTER, "[kvcomp] freqs_cis (= None) must be assigned before the first call "
                                             "(complex64 [max_seq_len, rope_head_dim / 2], as the model's "
                                             "attention does)")
-        return self.freqs_cis
+        f = self.freqs_cis
+        if self.rope_head_dim == 0:
+            return None, None
+        if f.dim() != 2 or not f.is_complex() or f.shape[1] != self.rope_head_dim // 2:
+            raise KvcompError(INVALID_PARAM, f"[kvcomp] freqs_cis (= {f.dtype} {list(f.shape)}) must be complex "
+                                             f"[max_seq_len, rope_head_dim / 2 (= {self.rope_head_dim // 2})]")
+        if torch.compiler.is_compiling():  # traced into the graph; nothing kept
+            return f.real.float().contiguous(), f.imag.float().contiguous()
+        key = (f, f._version, f.data_ptr())
+        kept = self._rope
+        if kept is None or kept[0][0] is not f or kept[0][1:] != key[1:]:
+            with torch.no_grad():
+                kept = (key, f.real.float().contiguous(), f.imag.float().contiguous())
+            self._rope = kept
+        return kept[1], kept[2]
 
     def forward(self, x, start_pos: int = 0):
         """The model's ``Compressor.forward`` (see the class doc): the new rows, normed and rotated, or
@@ -457,7 +498,7 @@ class DeepseekV4Compressor(torch.nn.Module):
     def _prefill(self, x):
         bsz, seqlen, _ = x.shape
         r, coff = self.compress_ratio, self.coff
-        freqs_cis = self._freqs()
+        self._rope_tables()  # refuses a missing freqs_cis first
         if seqlen == 0:
             return None
         cutoff = seqlen - seqlen % r
@@ -467,10 +508,10 @@ class DeepseekV4Compressor(torch.nn.Module):
         col = torch.arange(-(-seqlen // r), dtype=torch.int32, device=x.device)
         slot = torch.arange(bsz, dtype=torch.int32, device=x.device)[:, None]
         table = torch.where(col * r >= keep, 1 + slot * coff + col % coff, torch.zeros_like(col))
-        rows = self._pool(x, self.state_cache, table.to(torch.int32))
+        rows = self._rows(x, self.state_cache, table.to(torch.int32))
         if cutoff == 0:
             return None
-        out = self._epilogue(rows[:, : cutoff // r], freqs_cis[0:cutoff:r])
+        out = rows[:, : cutoff // r]
         if self.kv_cache is not None:
             with torch.no_grad():
                 self.kv_cache[:bsz, : cutoff // r] = out
@@ -479,14 +520,11 @@ class DeepseekV4Compressor(torch.nn.Module):
     def _decode(self, x, start_pos):
         bsz = x.shape[0]
         r = self.compress_ratio
-        freqs_cis = self._freqs()
         pos = torch.full((bsz,), start_pos, dtype=torch.int32, device=x.device)
         table = torch.arange(bsz, dtype=torch.int32, device=x.device)
-        rows = self._pool(x, self._ring_state(), table, start_pos=pos, cache_mode=2)
+        out = self._rows(x, self._ring_state(), table, start_pos=pos, cache_mode=2)
         if (start_pos + 1) % r:
             return None
-        first = start_pos + 1 - r
-        out = self._epilogue(rows, freqs_cis[first : first + 1])
         if self.kv_cache is not None:
             with torch.no_grad():
                 self.kv_cache[:bsz, start_pos // r] = out[:, 0]
@@ -499,15 +537,12 @@ class DeepseekV4Compressor(torch.nn.Module):
         head_dim]``; TH ``x`` ``[T, dim]`` with ``cu_seqlens`` (int32 ``[B + 1]``) -> ``[sum of len // r,
         head_dim]``, the sequences' rows in order."""
         r = self.compress_ratio
-        freqs_cis = self._freqs()
+        self._rope_tables()
         if x.dim() == 2 and cu_seqlens is None:
             raise KvcompError(NULL_POINTER, "[kvcomp] cu_seqlens (= None) must be given with TH x [T, dim]")
         cache, table = _scratch_state(x, cu_seqlens if x.dim() == 2 else None, r, 2 * self.coff * self.head_dim)
         if x.dim() == 3:
-            n = x.shape[1] // r
-            rows = self._pool(x, cache, table)[:, :n]
-            return self._epilogue(rows, freqs_cis[0 : n * r : r])
-        rows = self._pool(x, cache, table, cu_seqlens=cu_seqlens)
-        counts = ((cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64) // r).tolist()
-        first = torch.cat([torch.arange(n, dtype=torch.int64) * r for n in counts + [0]])
-        return self._epilogue(rows[: first.numel()], freqs_cis[first.to(freqs_cis.device)])
+            return self._rows(x, cache, table)[:, : x.shape[1] // r]
+        rows = self._rows(x, cache, table, cu_seqlens=cu_seqlens)
+        # The sequences' rows in order, then zero rows; a sequence of L tokens has L // r of them.
+        return rows[: int(((cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64) // r).sum())]

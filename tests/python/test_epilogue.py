@@ -194,3 +194,58 @@ def test_hostile_epilogue_arguments(change, code, words):
     assert e.value.code == code, e.value
     assert words in str(e.value), e.value
     assert torch.equal(cache, before)  # nothing written
+
+
+def _op_args(x, wkv, wgate, ape, w, cos, sin, grad):
+    cache, table = _state(x)
+    return (x, wkv, wgate, cache, ape, table, None, None, None, R, 1, 1, grad, w, EPS, cos, sin)
+
+
+@pytest.mark.parametrize("with_ape", [True, False])
+@pytest.mark.parametrize("norm,pairs", [(True, 8), (False, 8), (True, 0)])
+def test_opcheck_of_the_model_operators(with_ape, norm, pairs):
+    """torch.library.opcheck (schema, fake tensors, autograd registration) on the three operators of the
+    model-level call, with and without APE, norm and rotation."""
+    x, wkv, wgate, ape, w = _case(torch.bfloat16, seed=21, S=18)
+    cos, sin = _table(32, pairs) if pairs else (None, None)
+    ape = ape if with_ape else None
+    w = w if norm else None
+    for grad in (False, True):
+        torch.library.opcheck(torch.ops.kvcomp.model_compressor_forward.default,
+                              _op_args(x, wkv, wgate, ape, w, cos, sin, grad))
+    cmp_kv, s, kv, pooled = torch.ops.kvcomp.model_compressor_forward(*_op_args(x, wkv, wgate, ape, w, cos, sin, True))
+    assert pooled.shape == cmp_kv.shape
+    bwd = (torch.randn_like(cmp_kv), x, wkv, wgate, s, kv, None, None, None, R, 1, with_ape, pooled, w, EPS, cos, sin)
+    torch.library.opcheck(torch.ops.kvcomp.model_compressor_backward.default, bwd)
+    d = torch.ops.kvcomp.model_compressor_backward(*bwd)
+    assert d[3].shape == ((R, D) if with_ape else (0,))
+    assert d[4].shape == ((D,) if norm else (0,))
+    leaves = [t.clone().requires_grad_() if t is not None else None for t in (x, wkv, wgate, ape)]
+    nw = w.clone().requires_grad_() if w is not None else None
+    anchor = (cmp_kv, *leaves, s, kv, None, None, None, R, 1, pooled, nw, EPS, cos, sin)
+    torch.library.opcheck(torch.ops.kvcomp.model_compressor_grad_anchor.default, anchor)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_training_step_is_the_eager_one(backend):
+    """torch.compile(fullgraph=True) traces the model-level call (one graph, no break) and gives the eager
+    call's outputs and, through the autograd it traced, its gradients, bit for bit."""
+    if backend == "inductor" and __import__("os").environ.get("KVCOMP_SKIP_INDUCTOR"):
+        pytest.skip("KVCOMP_SKIP_INDUCTOR set")
+    x, wkv, wgate, ape, w = _case(torch.bfloat16, seed=23, S=21)
+    cos, sin = _table(32, 8)
+    d = torch.randn(2, 6, D, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+
+    def step(xs, wk, wg, nw):
+        cache, table = _state(xs)
+        return _ops.model_compressor(xs, wk, wg, None, R, state_cache=cache, state_block_table=table, norm_weight=nw,
+                                     rope_cos=cos, rope_sin=sin)
+
+    results = []
+    for fn in (step, torch.compile(step, backend=backend, fullgraph=True)):
+        leaves = [t.clone().requires_grad_() for t in (x, wkv, wgate, w)]
+        out = fn(*leaves)
+        (out.float() * d.float()).sum().backward()
+        results.append([out.detach()] + [t.grad for t in leaves])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

@@ -20,6 +20,7 @@ that are bf16 values as the checkpoint's are); their gradients are held to that 
 
 from types import SimpleNamespace
 
+import os
 import pytest
 import torch
 
@@ -185,6 +186,51 @@ def test_v41_ratio_one_rows_are_the_projection_rows():
     assert pooled.shape == (2, 5, 32)
     # One rounding of an fp32 sum either way: equal up to the order of the sums (one bf16 ulp).
     assert ((pooled.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 1e-6).all()
+
+
+@pytest.mark.parametrize("ratio,prefill", [(2, 5), (2, 4), (1, 3), (3, 7), (2, 0)])
+def test_v41_decode_token_by_token_is_the_whole_sequences_call(ratio, prefill):
+    """A prefill (its length not a multiple of the ratio, or none at all), then one token per call on the
+    module's decode state: every group's row is the stateless call's on the whole sequences, bit for
+    bit, returned by the step whose token closes the group (None from the others); the other batch
+    slots' state is left alone."""
+    H, D, S = 64, 32, 13
+    ref, _ = _models(H, D, ratio, seed=11)
+    mod = kvcomp.nn.DeepseekV41Compressor(H, D, ratio, max_batch_size=3)
+    mod.load_state_dict(ref.state_dict(), strict=True)
+    x = torch.randn(2, S, H, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    with torch.no_grad():
+        whole = mod(x)
+        got = []
+        if prefill:
+            got.append(mod(x[:, :prefill], start_pos=0))
+        elif ratio > 1:
+            mod.state_cache.fill_(float("nan"))  # the first step must not read stale state
+        for p in range(prefill, S):
+            row = mod(x[:, p:p + 1], start_pos=p) if p > 0 else mod(x[:, :1], start_pos=0)
+            if (p + 1) % ratio == 0:
+                assert row is not None and row.shape == (2, 1, D), p
+                got.append(row)
+            else:
+                assert row is None or row.shape[1] == 0, p
+    rows = torch.cat(got, dim=1)
+    assert rows.shape == whole.shape == (2, S // ratio, D)
+    assert torch.equal(rows.view(torch.int16), whole.view(torch.int16))
+
+
+def test_v41_decode_rules():
+    mod = kvcomp.nn.DeepseekV41Compressor(64, 32, 2)
+    x = torch.randn(1, 3, 64)
+    with pytest.raises(kvcomp.KvcompError, match="max_batch_size"):
+        mod(x, start_pos=0)
+    mod = kvcomp.nn.DeepseekV41Compressor(64, 32, 2, max_batch_size=1)
+    with pytest.raises(kvcomp.KvcompError, match="max_batch_size"):
+        mod(torch.randn(2, 3, 64), start_pos=0)
+    with pytest.raises(kvcomp.KvcompError, match="one token"):
+        mod(x, start_pos=4)
+    with pytest.raises(kvcomp.KvcompError, match="start_pos"):
+        mod(x, start_pos=-1)
+    assert "state_cache" not in mod.state_dict()
 
 
 def test_v41_is_the_same_for_every_thread_count():
@@ -481,16 +527,24 @@ def test_v4_refusals():
 
 
 def test_v4_epilogue_is_the_models_arithmetic():
-    """Given the pooled rows, the RMSNorm and RoPE are the model's (fp32 statistics, a complex64
-    product on the rounded normed channels): the same bits but where the sum of squares, added in
-    another order, rounds differently (one io ulp at most)."""
+    """Given the pooled rows, the operator's RMSNorm and RoPE are the model's (fp32 statistics, a
+    complex64 product on the rounded normed channels): the same bits but where the mean of squares
+    (float64 in kvcomp, an fp32 sum in the model) rounds differently (one io ulp at most). The rows go
+    through the operator unchanged: ratio 1, an identity wkv, a zero gate, no APE."""
     ref, mod = _v4_models(4, 16, seed=5)
     pooled = torch.randn(3, 40, V4_HEAD_DIM, dtype=torch.float64)
-    freqs = ref.freqs_cis[0:160:4]
+    freqs = ref.freqs_cis[0:160:4]  # row k of the table: block k's position
     with torch.no_grad():
         for io in (torch.bfloat16, torch.float16):
-            got = kvcomp.nn._v4_epilogue(pooled.to(io), mod.norm.weight, mod.norm.eps, freqs.real, freqs.imag)
-            want = ref._epilogue(pooled.to(io), freqs, False, io)
+            rows = pooled.to(io)
+            eye = torch.eye(V4_HEAD_DIM, dtype=io)
+            cache = torch.zeros(1, 1, 2 * V4_HEAD_DIM)
+            table = torch.zeros(3, 40, dtype=torch.int32)
+            got = kvcomp._ops.model_compressor(rows, eye, torch.zeros_like(eye), None, 1, state_cache=cache,
+                                               state_block_table=table, norm_weight=mod.norm.weight,
+                                               norm_eps=mod.norm.eps, rope_cos=freqs.real.contiguous(),
+                                               rope_sin=freqs.imag.contiguous())
+            want = ref._epilogue(rows, freqs, False, io)
             same = (bits(got) == bits(want)).double().mean().item()
             assert same >= 0.99, same
             ulp = io_ulp(want.float(), dtype_key(io))
@@ -510,3 +564,20 @@ def test_v4_is_the_same_for_every_thread_count():
         outs.append([bits(out)] + [g.clone() for g in grads.values()])
     for other in outs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(outs[0], other))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_v4_training_rows_compile_into_one_graph(backend):
+    """torch.compile(fullgraph=True) of the stateless training form: one graph (the operator with its
+    fused epilogue is a registered operator), the eager module's output and gradients bit for bit."""
+    if backend == "inductor" and os.environ.get("KVCOMP_SKIP_INDUCTOR"):
+        pytest.skip("KVCOMP_SKIP_INDUCTOR set")
+    _, mod = _v4_models(4, 16, seed=8)
+    x = torch.randn(2, 19, V4_DIM).to(torch.bfloat16)
+    params = dict(mod.named_parameters())
+    eager = _run_v4(lambda s: mod.train_rows(s), params, x)
+    compiled_fn = torch.compile(mod.train_rows, backend=backend, fullgraph=True)
+    compiled = _run_v4(lambda s: compiled_fn(s), params, x)
+    assert torch.equal(bits(eager[0]), bits(compiled[0]))
+    for name in eager[1]:
+        assert torch.equal(eager[1][name], compiled[1][name]), name
