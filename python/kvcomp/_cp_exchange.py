@@ -157,18 +157,25 @@ def _call_rows(seqs, xf):
 
 
 def _scratch_cache(call, seqs):
-    """The local calls' state cache: two blocks per sequence (positions [0, 2*(coff+1)*r) of its
-    call: the halo's, written by the halo call, and the slots before it, copied from the caller's cache
-    for positions before start_pos); the calls' later positions map to block 0, which is never written."""
+    """The local calls' state cache: per sequence, the blocks of its call's positions from coff*r before
+    its halo to its start (the halo's, written by the halo call, and the slots before it, copied from
+    the caller's cache for positions before start_pos; two blocks, three at most when the call starts
+    at its global position); the calls' other positions map to block 0, which is never written."""
     plan, C = call.plan, call.C
     r, coff = plan.r, plan.coff
     bs = (coff + 1) * r
-    n = len(seqs)
-    cache = torch.zeros((2 * n + 1, bs, 2 * C), dtype=torch.float32, device=call.device)
+    spans = []  # per sequence: the first column of its window and its number of blocks
+    for s in seqs:
+        first = max(0, s.start - (s.lo - s.halo_lo) - coff * r) // bs
+        spans.append((first, max(1, -(-s.start // bs) - first)))
+    base = [1]
+    for _, n in spans:
+        base.append(base[-1] + n)
+    cache = torch.zeros((base[-1], bs, 2 * C), dtype=torch.float32, device=call.device)
     cols = max(2, max(-(-(s.start + s.hi - s.lo) // bs) for s in seqs))
-    table = torch.zeros((n, cols), dtype=torch.int32)
-    table[:, 0] = torch.arange(1, 2 * n, 2, dtype=torch.int32)
-    table[:, 1] = torch.arange(2, 2 * n + 1, 2, dtype=torch.int32)
+    table = torch.zeros((len(seqs), cols), dtype=torch.int32)
+    for i, (first, n) in enumerate(spans):
+        table[i, first:first + n] = torch.arange(base[i], base[i] + n, dtype=torch.int32)
     if call.state_cache is not None:
         for i, s in enumerate(seqs):
             sp = plan.sp[s.b]
@@ -176,7 +183,7 @@ def _scratch_cache(call, seqs):
             shift = g_start - (s.start - (s.lo - s.halo_lo))
             for g in range(max(0, g_start - coff * r), min(g_start, sp)):
                 loc = g - shift
-                cache[2 * i + 1 + loc // bs, loc % bs] = _cache_slot(call, s.b, g)
+                cache[base[i] + loc // bs - spans[i][0], loc % bs] = _cache_slot(call, s.b, g)
     return cache, table.to(call.device)
 
 

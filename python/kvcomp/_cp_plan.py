@@ -40,6 +40,9 @@ _FIELDS = [
     "cache_mode",
     "device problem",
     "local rows",
+    "APE / norm / rope tables",
+    "norm_eps",
+    "rope table positions",
 ]
 
 
@@ -101,8 +104,11 @@ class _Local:  # one sequence of a rank's local calls (the forward's and the bac
 class _Plan:
     """Everything a rank needs, computed identically on every rank from the gathered descriptors."""
 
-    def __init__(self, rank, world, bsh, split, counts, B, lens, sp, used, r, coff):
+    def __init__(self, rank, world, bsh, split, counts, B, lens, sp, used, r, coff, global_positions=False):
         self.rank, self.world, self.bsh, self.split = rank, world, bsh, split
+        # The local calls' start_pos: the global position itself (the epilogue's RoPE reads it), or one
+        # less a multiple of r that keeps the scratch cache's block table two columns wide.
+        self.global_positions = global_positions
         self.B, self.lens, self.sp, self.used, self.r, self.coff = B, lens, sp, used, r, coff
         self.counts = counts
         self.pieces = self._pieces(counts)
@@ -220,7 +226,7 @@ class _Plan:
             hi = max((jl + 1) * r - sp, min(p.hi, (jl + 2) * r - 1 - sp))
             halo_lo = min(p.lo, max(0, (jf - coff + 1) * r - sp)) if jf <= jo else p.lo
             g = sp + halo_lo
-            shift = 0 if g < coff * r else (g // r - coff) * r
+            shift = 0 if g < coff * r or self.global_positions else (g // r - coff) * r
             seqs.append(_Local(p.b, p.lo, hi, min(p.hi, hi), p.row0, jf, jo, jl, halo_lo,
                                g - shift + p.lo - halo_lo, row, tok))
             row += jl - jf + 1
@@ -261,8 +267,9 @@ def _local_checks(x, wkv, wgate, ape, state_cache, dev_type):
 
 
 def _describe(x, wkv, wgate, r, coff, split, cu_seqlens, seqused, start_pos, needs_grad, state_cache, cache_mode,
-              world, dev_problem, weight_grads, precision):
+              world, dev_problem, weight_grads, precision, epilogue=(1, 0, 0)):
     d = [0] * len(_FIELDS)
+    d[_F["APE / norm / rope tables"]], d[_F["norm_eps"]], d[_F["rope table positions"]] = epilogue
     d[_F["group size"]] = world
     d[_F["layout (x.dim())"]] = x.dim()
     d[_F["split"]] = SPLITS.index(split) if split in SPLITS else -1

@@ -75,8 +75,15 @@ __all__ = [
 
 class _CPCompressor(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, wkv, wgate, ape, call, needs_grad):
+    def forward(ctx, x, wkv, wgate, ape, norm_weight, call, needs_grad):
         ctx.w_dtype = wkv.dtype
+        ctx.has_ape = ape is not None
+        ctx.norm_dtype = norm_weight.dtype if norm_weight is not None else None
+        ctx.P = None
+        ep = call.epilogue
+        # fp32 (exact): the product with the normalised row is fp32 either way, and the local d_norm_weight
+        # stays unrounded until the group's total.
+        norm_weight = norm_weight.float() if norm_weight is not None else None
         plan, me, dev, D, r, coff = call.plan, call.plan.rank, call.device, call.D, call.plan.r, call.plan.coff
         xf = x.reshape(-1, x.shape[-1])
         seqs = call.local[me]
@@ -104,14 +111,17 @@ class _CPCompressor(torch.autograd.Function):
                 cu, sp = _th_args([seqs[i].lo - seqs[i].halo_lo for i in halo],
                                   [seqs[i].start - (seqs[i].lo - seqs[i].halo_lo) for i in halo], dev)
                 sel = torch.tensor(halo, dtype=torch.int64, device=dev)
-                torch.ops.kvcomp.compressor_forward(_assemble(index_parts, xf, recvs, me), wkv, wgate, cache, ape,
-                                                    table.index_select(0, sel), cu, None, sp, r, coff, 1, False,
-                                                    None, call.profile)
+                torch.ops.kvcomp.model_compressor_forward(_assemble(index_parts, xf, recvs, me), wkv, wgate, cache,
+                                                          ape, table.index_select(0, sel), cu, None, sp, r, coff, 1,
+                                                          False, profile=call.profile)
             x_loc = _call_rows(seqs, xf)
             cu, sp = _th_args([s.hi - s.lo for s in seqs], [s.start for s in seqs], dev)
-            cmp_loc, S, K = torch.ops.kvcomp.compressor_forward(
-                x_loc, wkv, wgate, cache, ape, table, cu, None, sp, r, coff, 1, needs_grad, None, call.profile
-            )
+            # The epilogue (RMSNorm, RoPE) runs on every row of the local call, at its global position:
+            # row-local arithmetic, so the owned rows are the single call's bit for bit.
+            cmp_loc, S, K, P = torch.ops.kvcomp.model_compressor_forward(
+                x_loc, wkv, wgate, cache, ape, table, cu, None, sp, r, coff, 1, needs_grad, *_epilogue_args(ep, norm_weight),
+                profile=call.profile)
+            ctx.P = P if ep is not None else None
             if len(call.owned):
                 cmp_kv.view(-1, D).index_copy_(0, out_idx, cmp_loc.index_select(0, call.own_rows))
         sent()
@@ -121,18 +131,22 @@ class _CPCompressor(torch.autograd.Function):
             # softmax_score / kv stay attributes: the backward overwrites their rows of blocks past the
             # pieces with the owners' (autograd would refuse saved tensors changed in place).
             ctx.S, ctx.K = S, K
-            ctx.save_for_backward(x, wkv, wgate, x_loc)
+            ctx.save_for_backward(x, wkv, wgate, x_loc, norm_weight)
         return cmp_kv
 
     @staticmethod
     def backward(ctx, d_cmp):
         call = ctx.call
         plan, me, dev, D, r, coff = call.plan, call.plan.rank, call.device, call.D, call.plan.r, call.plan.coff
-        x, wkv, wgate, x_loc = ctx.saved_tensors
+        x, wkv, wgate, x_loc, norm_weight = ctx.saved_tensors
         S, K = ctx.S, ctx.K
+        ep = call.epilogue
+        P = ctx.P
         xf = x.reshape(-1, x.shape[-1])
         n_own = len(call.owned)
         cr = coff * r
+        # With the epilogue the pooled row travels with its block too (io values, exact in fp32).
+        width = D + 2 * cr * D + (D if ep is not None else 0)
         dc_own = d_cmp.reshape(-1, D).index_select(0, ctx.out_idx) if n_own else d_cmp.new_zeros((0, D))
 
         # The blocks this rank owns that reach into later ranks' tokens go to those ranks, packed as fp32
@@ -145,19 +159,23 @@ class _CPCompressor(torch.autograd.Function):
             if blocks:
                 ids = torch.tensor([call.owned_index[(b, j)] for b, j, _ in blocks], dtype=torch.int64, device=dev)
                 rows = call.own_rows.index_select(0, ids)
-                sends[k] = torch.cat([dc_own.index_select(0, ids).float(),
-                                      S.index_select(0, rows).reshape(len(blocks), -1),
-                                      K.index_select(0, rows).reshape(len(blocks), -1)], dim=1)
+                pieces = [dc_own.index_select(0, ids).float(), S.index_select(0, rows).reshape(len(blocks), -1),
+                          K.index_select(0, rows).reshape(len(blocks), -1)]
+                if ep is not None:
+                    pieces.append(P.index_select(0, rows).float())
+                sends[k] = torch.cat(pieces, dim=1)
         seqs = call.local[me]
         need = {k: _trailing(plan, seqs, k) for k in range(plan.world) if k != me}
-        recvs, sent = call.exchange(sends, {k: len(v) for k, v in need.items()}, D + 2 * cr * D, torch.float32,
+        recvs, sent = call.exchange(sends, {k: len(v) for k, v in need.items()}, width, torch.float32,
                                     "exchange of the blocks' gradients")
         w_dt = ctx.w_dtype
         if not seqs:
             sent()
             d_wkv, d_wgate = torch.zeros_like(wkv, dtype=torch.float32), torch.zeros_like(wgate, dtype=torch.float32)
-            d_ape = torch.zeros((r, wkv.shape[0]), dtype=torch.float64, device=dev)
-            return (torch.zeros_like(x),) + _weight_grads(call, d_wkv, d_wgate, d_ape, w_dt) + (None, None)
+            d_ape = torch.zeros((r, wkv.shape[0]), dtype=torch.float64, device=dev) if ctx.has_ape else None
+            d_norm = torch.zeros((D,), dtype=torch.float64, device=dev) if ep is not None and ep.norm else None
+            return ((torch.zeros_like(x),) + _weight_grads(call, d_wkv, d_wgate, d_ape, w_dt, d_norm, ctx.norm_dtype)
+                    + (None, None))
         dc = torch.zeros((S.shape[0], D), dtype=x.dtype, device=dev)
         if n_own:
             dc.index_copy_(0, call.own_rows, dc_own)
@@ -165,46 +183,106 @@ class _CPCompressor(torch.autograd.Function):
             rows = torch.tensor([row for _, _, row in need[k]], dtype=torch.int64, device=dev)
             dc.index_copy_(0, rows, buf[:, :D].to(x.dtype))
             S.index_copy_(0, rows, buf[:, D:D + cr * D].view(-1, cr, D))
-            K.index_copy_(0, rows, buf[:, D + cr * D:].view(-1, cr, D))
+            K.index_copy_(0, rows, buf[:, D + cr * D:D + 2 * cr * D].view(-1, cr, D))
+            if P is not None:
+                P.index_copy_(0, rows, buf[:, D + 2 * cr * D:].to(P.dtype))
         mine = _trailing(plan, seqs, me)  # a piece followed by this rank's next one (load_balanced)
         if mine:
             rows = torch.tensor([row for _, _, row in mine], dtype=torch.int64, device=dev)
             src = call.own_rows.index_select(
                 0, torch.tensor([call.owned_index[(b, j)] for b, j, _ in mine], dtype=torch.int64, device=dev))
-            for t in (dc, S, K):
+            for t in (dc, S, K) + ((P,) if P is not None else ()):
                 t.index_copy_(0, rows, t.index_select(0, src))
         cu, sp = _th_args([s.hi - s.lo for s in seqs], [s.start for s in seqs], dev)
         # x_loc's zero rows (later ranks' tokens) add nothing to d_wkv / d_wgate; their d_x is dropped.
         # fp32 master weights get fp32 partial sums (the CPU kernels write them unrounded), so the sum
         # over the ranks is rounded once, by the optimizer's dtype, not once per rank.
         fp32_w = (w_dt == torch.float32 or call.reduce_w) and x.dtype != torch.float32 and dev.type == "cpu"
-        dx_loc, d_wkv, d_wgate, d_ape_loc = torch.ops.kvcomp.compressor_backward(
-            dc, x_loc, wkv, wgate, S, K, cu, None, sp, r, coff, fp32_w, dev.type == "cpu", call.precision, call.profile
-        )
+        dx_loc, d_wkv, d_wgate, d_ape_loc, d_norm_loc = torch.ops.kvcomp.model_compressor_backward(
+            dc, x_loc, wkv, wgate, S, K, cu, None, sp, r, coff, ctx.has_ape, P, *_epilogue_args(ep, norm_weight),
+            fp32_weight_grads=fp32_w, float64_d_ape=dev.type == "cpu", precision=call.precision, profile=call.profile)
         d_x = _place_rows([(s.row0, s.tok, s.own_hi - s.lo) for s in seqs], dx_loc, xf)
-        d_ape = _without_other_tokens(call, seqs, d_ape_loc, dc, S, K)
+        # With the epilogue, the pooling's gradient of a row is the epilogue's backward of dc (float64).
+        blocks = {row: j for k in need for _, j, row in need[k]}
+        blocks.update({row: j for _, j, row in mine})
+        pooled_grad = (lambda rows: _epilogue_backward_rows(call, norm_weight, dc, P, rows, blocks)[0]) \
+            if ep is not None else None
+        d_ape = _without_other_tokens(call, seqs, d_ape_loc, dc, S, K, pooled_grad) if ctx.has_ape else None
+        d_norm = None
+        if ep is not None and ep.norm:
+            # The local call summed every row it holds; the rows of other owners' blocks (and this
+            # rank's own blocks copied past a piece) are counted where they are owned.
+            d_norm = d_norm_loc.double() - _epilogue_backward_rows(call, norm_weight, dc, P, sorted(blocks),
+                                                                   blocks)[1]
         sent()
-        return (d_x.view(x.shape),) + _weight_grads(call, d_wkv, d_wgate, d_ape, w_dt) + (None, None)
+        return ((d_x.view(x.shape),) + _weight_grads(call, d_wkv, d_wgate, d_ape, w_dt, d_norm, ctx.norm_dtype)
+                + (None, None))
 
 
-def _weight_grads(call, d_wkv, d_wgate, d_ape, w_dt):
-    """(d_wkv, d_wgate, d_ape) as the call returns them. d_ape (small: r x C) is always the group's
-    total, summed in float64 and rounded once, on its rank 0 (zeros elsewhere); d_wkv and d_wgate are
-    this rank's partial sums, or (weight_grads "reduced") the group's totals on its rank 0, likewise."""
-    works = [dist.all_reduce(d_ape, group=call.group, async_op=True)]
+def _weight_grads(call, d_wkv, d_wgate, d_ape, w_dt, d_norm=None, norm_dtype=None):
+    """(d_wkv, d_wgate, d_ape, d_norm_weight) as the call returns them. d_ape (small: r x C) and
+    d_norm_weight ([D]) are always the group's totals, summed in float64 and rounded once, on its rank 0
+    (zeros elsewhere; None without APE / norm); d_wkv and d_wgate are this rank's partial sums, or
+    (weight_grads "reduced") the group's totals on its rank 0, likewise."""
+    smalls = [t for t in (d_ape, d_norm) if t is not None]
+    works = [dist.all_reduce(t, group=call.group, async_op=True) for t in smalls]
     flat = None
     if call.reduce_w:
         flat = torch.cat([d_wkv.reshape(-1).float(), d_wgate.reshape(-1).float()])
         works.append(dist.all_reduce(flat, group=call.group, async_op=True))
     _wait(works, call.timeout, "all-reduce of the weight gradients")
     if call.plan.rank != 0:
-        d_ape.zero_()
+        for t in smalls:
+            t.zero_()
         if flat is not None:
             flat.zero_()
     if flat is not None:
         n = d_wkv.numel()
         d_wkv, d_wgate = flat[:n].view(d_wkv.shape), flat[n:].view(d_wgate.shape)
-    return d_wkv.to(w_dt), d_wgate.to(w_dt), d_ape.to(torch.float32)
+    return (d_wkv.to(w_dt), d_wgate.to(w_dt), None if d_ape is None else d_ape.to(torch.float32),
+            None if d_norm is None else d_norm.to(norm_dtype))
+
+
+class _Epilogue:
+    """A context-parallel call's epilogue: norm (the norm weight is an input of the autograd function),
+    its epsilon, and the rope tables (global positions)."""
+
+    def __init__(self, norm, eps, cos, sin):
+        self.norm, self.eps, self.cos, self.sin = norm, float(eps), cos, sin
+
+
+def _epilogue_args(ep, norm_weight):
+    """norm_weight, norm_eps, rope_cos, rope_sin of the model operators."""
+    if ep is None:
+        return None, 1e-6, None, None
+    return norm_weight if ep.norm else None, ep.eps, ep.cos, ep.sin
+
+
+def _epilogue_backward_rows(call, norm_weight, dc, P, rows, blocks):
+    """The epilogue's backward, in float64, for the local call's ``rows`` (``blocks``: row -> global
+    block j, at position j*r): (the gradient of the pooled rows [n, D], their part of d_norm_weight
+    [D]) from the gradient of the epilogue's rows ``dc`` and the pooled rows ``P``; the terms the
+    operator computes, for the rows it counts where they are owned."""
+    D = call.D
+    ep, r = call.epilogue, call.plan.r
+    if not rows:
+        return dc.new_zeros((0, D), dtype=torch.float64), torch.zeros((D,), dtype=torch.float64, device=call.device)
+    sel = torch.tensor(rows, dtype=torch.int64, device=call.device)
+    g = dc.index_select(0, sel).double()
+    if ep.cos is not None:  # the rotation's inverse
+        pos = torch.tensor([blocks[row] for row in rows], dtype=torch.int64, device=call.device) * r
+        c, s = ep.cos.index_select(0, pos).double(), ep.sin.index_select(0, pos).double()
+        pairs = c.shape[1]
+        tail = g[:, D - 2 * pairs:].unflatten(-1, (pairs, 2))
+        a, b = tail[..., 0], tail[..., 1]
+        g = torch.cat([g[:, : D - 2 * pairs], torch.stack((a * c + b * s, b * c - a * s), -1).flatten(-2)], -1)
+    if not ep.norm:
+        return g, torch.zeros((D,), dtype=torch.float64, device=call.device)
+    h = P.index_select(0, sel).double()
+    rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + ep.eps)
+    x_hat = h * rstd
+    gw = g * norm_weight.double()
+    return rstd * (gw - x_hat * (gw * x_hat).mean(-1, keepdim=True)), (g * x_hat).sum(0)
 
 
 def _place_rows(spans, dx_loc, xf):
@@ -225,7 +303,7 @@ def _place_rows(spans, dx_loc, xf):
     return _concat_rows(pieces) if pieces else torch.zeros_like(xf)
 
 
-def _without_other_tokens(call, seqs, d_ape_loc, dc, S, K):
+def _without_other_tokens(call, seqs, d_ape_loc, dc, S, K, pooled_grad=None):
     """d_ape of this rank's tokens: the local call's d_ape less the dZ of the rows of other ranks'
     tokens that its blocks past the pieces hold (those ranks count them), in float64 (spec 2.2, 2.5).
     On the CPU the local call's d_ape is its float64 sums, so the difference cancels nothing."""
@@ -244,7 +322,8 @@ def _without_other_tokens(call, seqs, d_ape_loc, dc, S, K):
         return d_ape_loc.double()
     sel = torch.tensor(rows, dtype=torch.int64, device=call.device)
     s64, k64 = S.index_select(0, sel).double(), K.index_select(0, sel).double()
-    dc64 = dc.index_select(0, sel).float().double()[:, None, :]
+    # The gradient of the pooled rows: dc itself, or (epilogue) its backward through the epilogue.
+    dc64 = (pooled_grad(rows) if pooled_grad is not None else dc.index_select(0, sel).float().double())[:, None, :]
     w = (s64 * k64).sum(1, keepdim=True)
     dz = s64 * dc64 * (k64 - w) * torch.stack(masks).to(call.device, torch.float64)[:, :, None]
     return d_ape_loc.double() - dz.sum(0).reshape(r, coff * D)  # float64: rounded by _weight_grads
@@ -252,7 +331,7 @@ def _without_other_tokens(call, seqs, d_ape_loc, dc, S, K):
 
 def _prepare(x, wkv, wgate, ape, cmp_ratio, group, split, cu_seqlens, seqused, start_pos, coff, state_cache,
              state_block_table, cache_mode, timeout, needs_grad, reads_cache=True, weight_grads="auto",
-             precision=None, profile=None):
+             precision=None, profile=None, epilogue=(None, 1e-6, None, None)):
     """Checks the call on every rank and plans it: the _Call every rank runs. ``precision`` / ``profile``:
     the call's (None: the defaults in force now), kept on the call for its backward."""
     precision, profile = _ops.resolved_options(precision, profile)
@@ -266,8 +345,14 @@ def _prepare(x, wkv, wgate, ape, cmp_ratio, group, split, cu_seqlens, seqused, s
     device, dev_type, backend = _group_device(group)
     dev_problem = _local_checks(x, wkv, wgate, ape, state_cache, dev_type)
     tmo = _timeout(timeout)
+    norm_weight, norm_eps, rope_cos, rope_sin = epilogue
+    pairs = rope_cos.shape[-1] if rope_cos is not None else 0
+    # What every rank must agree on: APE present, norm present, rope pairs, the epsilon's bits.
+    ep_code = (int(ape is not None) + 2 * int(norm_weight is not None) + 4 * int(rope_cos is not None)
+               + 8 * int(rope_sin is not None) + 16 * pairs)
     desc = _describe(x, wkv, wgate, cmp_ratio, coff, split, cu_seqlens, seqused, start_pos, needs_grad,
-                     state_cache, cache_mode, world, dev_problem, weight_grads, precision)
+                     state_cache, cache_mode, world, dev_problem, weight_grads, precision,
+                     (ep_code, _float_bits(norm_eps), rope_cos.shape[0] if rope_cos is not None else 0))
     descs = _gather(desc, group, world, device, tmo)
     _check_agreement(descs, dev_type, backend)
     if weight_grads not in _WEIGHT_GRADS:
@@ -282,7 +367,8 @@ def _prepare(x, wkv, wgate, ape, cmp_ratio, group, split, cu_seqlens, seqused, s
         raise error(INVALID_PARAM, f"wkv and wgate (= {wkv.dtype}, {wgate.dtype}) must both have the io dtype "
                                   f"{x.dtype} or both be fp32 (master weights)")
     bsh, counts, B, lens, sp, used = _global_layout(descs, x, split, cu_seqlens, seqused, start_pos)
-    plan = _Plan(rank, world, bsh, split, counts, B, lens, sp, used, cmp_ratio, coff)
+    has_epilogue = any(t is not None for t in epilogue[:1] + epilogue[2:])
+    plan = _Plan(rank, world, bsh, split, counts, B, lens, sp, used, cmp_ratio, coff, global_positions=has_epilogue)
     C = wkv.shape[0]
     D = C // coff
     # Blocks that read positions before start_pos need the caller's state cache.
@@ -302,7 +388,29 @@ def _prepare(x, wkv, wgate, ape, cmp_ratio, group, split, cu_seqlens, seqused, s
         weight_grads = "partial" if wkv.dtype == torch.float32 else "reduced"
     call.reduce_w = weight_grads == "reduced"
     call.precision, call.profile = precision, profile
+    call.epilogue = None
+    if norm_weight is not None or rope_cos is not None or rope_sin is not None:
+        if (rope_cos is None) != (rope_sin is None):
+            raise error(NULL_POINTER, f"rope_cos and rope_sin (= {_given(rope_cos)}, {_given(rope_sin)}) must be "
+                                      "given together")
+        if rope_cos is not None:
+            last = max((sp[b] + used[b] - 1) // cmp_ratio * cmp_ratio for b in range(B)) if B else 0
+            if rope_cos.dim() != 2 or rope_cos.shape != rope_sin.shape or rope_cos.shape[0] <= last:
+                raise error(INVALID_PARAM, f"rope_cos and rope_sin (= {list(rope_cos.shape)}, {list(rope_sin.shape)}) "
+                                           f"must be equal [positions, rd / 2] tables covering position {last} (the "
+                                           "last block's first token)")
+        call.epilogue = _Epilogue(norm_weight is not None, norm_eps, rope_cos, rope_sin)
     return call
+
+
+def _given(t):
+    return "None" if t is None else "given"
+
+
+def _float_bits(v):
+    import struct
+
+    return struct.unpack("<q", struct.pack("<d", float(v)))[0]
 
 
 def _output_shape(plan, x, r, D):
@@ -334,13 +442,18 @@ def cp_compressor(
     cache_mode: int = 1,
     timeout: Optional[float] = None,
     weight_grads: str = "auto",
+    norm_weight=None,
+    norm_eps: float = 1e-6,
+    rope_cos=None,
+    rope_sin=None,
 ):
     """The compressor over sequences split across the ranks of ``group`` (default: the world).
 
     Args:
         x: this rank's tokens, io dtype: BSH ``[B, S_k, H]`` or TH ``[T_k, H]`` (see the module doc for
             which tokens each split gives a rank).
-        wkv, wgate, ape, cmp_ratio, coff: as ``kvcomp.torch.compressor`` (the same on every rank);
+        wkv, wgate, ape, cmp_ratio, coff: as ``kvcomp.torch.compressor`` (the same on every rank; ``ape``
+            may be None: no APE term, as ``kvcomp.compressor_forward``'s);
             ``wkv`` / ``wgate`` may also both be fp32 master weights with 16-bit ``x``: the call casts
             them to the io dtype, and their gradients are fp32 partial sums, not rounded per rank (CPU;
             on CUDA the io dtype's, widened).
@@ -361,6 +474,11 @@ def cp_compressor(
             and of d_ape, float64) and the group's rank 0 gets the total, rounded once, the others
             zeros. ``"auto"`` (default): ``"partial"`` for fp32 master weights, ``"reduced"`` for
             16-bit weights, so the summed gradient is rounded once in both.
+        norm_weight, norm_eps, rope_cos, rope_sin: the model-level epilogue, as
+            ``kvcomp.compressor_forward``'s (RMSNorm over D, RoPE on the last rd channels at each row's
+            global block-first-token position; the same on every rank). The rows stay the single
+            call's bit for bit; ``norm_weight``'s gradient is the group's total on its rank 0 (float64
+            sum, rounded once; zeros elsewhere), as ``ape``'s.
 
     Returns:
         The compressed rows this rank owns, io dtype: BSH ``[B, M, D]`` (per batch row, its owned
@@ -371,10 +489,12 @@ def cp_compressor(
         KvcompError: the same sentence on every rank when the ranks disagree (shapes, layout, split,
             cmp_ratio, group size) or a rank's tensors are on the wrong device; nothing was sent.
     """
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, wkv, wgate, ape))
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, wkv, wgate, ape, norm_weight))
     call = _prepare(x, wkv, wgate, ape, cmp_ratio, group, split, cu_seqlens, seqused, start_pos, coff,
-                    state_cache, state_block_table, cache_mode, timeout, needs_grad, weight_grads=weight_grads)
-    return _CPCompressor.apply(x, wkv, wgate, ape, call, needs_grad)
+                    state_cache, state_block_table, cache_mode, timeout, needs_grad, weight_grads=weight_grads,
+                    epilogue=(norm_weight, norm_eps, rope_cos, rope_sin))
+    return _CPCompressor.apply(x, wkv, wgate, ape, norm_weight, call, needs_grad)
 
 
 def cp_owned_blocks(x, wkv, cmp_ratio: int = 4, *, group=None, split="contiguous", cu_seqlens=None, seqused=None,

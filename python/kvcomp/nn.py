@@ -530,14 +530,26 @@ class DeepseekV4Compressor(torch.nn.Module):
                 self.kv_cache[:bsz, start_pos // r] = out[:, 0]
         return out
 
-    def train_rows(self, x, cu_seqlens=None):
+    def train_rows(self, x, cu_seqlens=None, *, cp_group=None, cp_split: str = "contiguous"):
         """Stateless: the rows of every complete block of each sequence, normed and rotated (block k of
         a sequence at position k*r), in x's dtype, with autograd to ``x`` and every parameter; no state
         or kv_cache is read or written, any batch size. BSH ``x`` ``[B, S, dim]`` -> ``[B, S // r,
         head_dim]``; TH ``x`` ``[T, dim]`` with ``cu_seqlens`` (int32 ``[B + 1]``) -> ``[sum of len // r,
-        head_dim]``, the sequences' rows in order."""
+        head_dim]``, the sequences' rows in order.
+
+        With ``cp_group`` (a torch.distributed group), ``x`` is this rank's part of every sequence and
+        the call is ``kvcomp.distributed.cp_compressor`` with the epilogue (``cp_split``, global
+        ``cu_seqlens``): it returns the rows this rank owns, in cp_compressor's layout
+        (``kvcomp.distributed.cp_owned_blocks`` says which), bit for bit the single call's; the
+        weights' gradients are this rank's partial sums (fp32), ``ape``'s and ``norm.weight``'s the
+        group's totals on its rank 0."""
         r = self.compress_ratio
-        self._rope_tables()
+        cos, sin = self._rope_tables()
+        if cp_group is not None:
+            return _cp.cp_compressor(x, self.wkv.weight, self.wgate.weight, self.ape, r, group=cp_group,
+                                     split=cp_split, cu_seqlens=cu_seqlens, coff=self.coff,
+                                     norm_weight=self.norm.weight, norm_eps=self.norm.eps, rope_cos=cos,
+                                     rope_sin=sin)
         if x.dim() == 2 and cu_seqlens is None:
             raise KvcompError(NULL_POINTER, "[kvcomp] cu_seqlens (= None) must be given with TH x [T, dim]")
         cache, table = _scratch_state(x, cu_seqlens if x.dim() == 2 else None, r, 2 * self.coff * self.head_dim)

@@ -46,3 +46,22 @@ def local_part(case, spec, rank, world):
     if spec["th"]:
         return flat
     return flat.view(len(spec["lens"]), -1, H)
+
+
+def epilogue_of(case, spec):
+    """(norm_weight fp32 [D] or None, rope_cos, rope_sin fp32 [positions, pairs] or None) of a case with
+    ``epilogue=dict(norm=bool, pairs=int)``: fixed values from the case's seed, tables covering every
+    position of its sequences."""
+    ep = spec.get("epilogue")
+    if not ep:
+        return None, None, None
+    D = case.wkv.shape[0] // case.coff
+    g = torch.Generator().manual_seed(500 + spec.get("seed", 0))
+    w = (1 + 0.25 * torch.randn(D, generator=g)) if ep.get("norm", True) else None
+    pairs = ep.get("pairs", 0)
+    if not pairs:
+        return w, None, None
+    positions = max(spec.get("sp") or [0]) + (spec.get("S") or max(spec["lens"])) + sum(spec["lens"]) + spec["r"]
+    pos = torch.arange(positions, dtype=torch.float64)[:, None]
+    freq = 10000.0 ** (-torch.arange(pairs, dtype=torch.float64) / pairs)
+    return w, torch.cos(pos * freq).float(), torch.sin(pos * freq).float()

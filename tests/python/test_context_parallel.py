@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 import kvcomp
 import kvcomp.torch as kt
-from cp_common import make_cp_case, token_rows
+from kvcomp import _ops
+from cp_common import epilogue_of, make_cp_case, token_rows
 from spawn import free_port, run_workers
 from kvcomp.compare import dtype_key, three_way
 from support import assert_close_to_truth, kvcomp_intermediates, reference_grads
@@ -38,6 +39,20 @@ def single_process(case, spec, upstream):
     x = case.x.clone().requires_grad_()
     params = [t.clone().requires_grad_() for t in (case.wkv, case.wgate, case.ape)]
     cache = case.state_cache.clone()
+    if spec.get("epilogue"):
+        w, cos, sin = epilogue_of(case, spec)
+        w = w.requires_grad_() if w is not None else None
+        ape = None if spec["epilogue"].get("no_ape") else params[2]
+        k = case.kwargs()
+        out = _ops.model_compressor(x, params[0], params[1], ape, case.cmp_ratio, state_cache=cache,
+                                    state_block_table=k["state_block_table"], cu_seqlens=k["cu_seqlens"],
+                                    seqused=k["seqused"], start_pos=k["start_pos"], coff=case.coff,
+                                    cache_mode=case.cache_mode, norm_weight=w, rope_cos=cos, rope_sin=sin)
+        (out.float() * upstream.float()).sum().backward()
+        grads = dict(d_x=x.grad, d_wkv=params[0].grad, d_wgate=params[1].grad, d_ape=params[2].grad)
+        if w is not None:
+            grads["d_norm_weight"] = w.grad
+        return out.detach(), grads
     out = kt.compressor(x, params[0], params[1], cache, params[2], case.cmp_ratio, **case.kwargs())
     (out.float() * upstream.float()).sum().backward()
     return out.detach(), dict(d_x=x.grad, d_wkv=params[0].grad, d_wgate=params[1].grad, d_ape=params[2].grad)
@@ -104,6 +119,9 @@ def check_case(name, spec, ranks, world):
         if len(rows):
             dx[rows] = res[name]["d_x"].reshape(-1, H)
     assert torch.equal(dx, ref_grads["d_x"].reshape(-1, H)), (name, (dx != ref_grads["d_x"].reshape(-1, H)).nonzero()[:5])
+    if spec.get("epilogue"):
+        _check_epilogue_grads(name, spec, ranks, ref_grads, case.x.dtype)
+        return n_valid
     # 3. Summed weight gradients against the oracle (spec 7.2 three-way), and close to the single call.
     _, grads_c, _ = reference_grads(case, upstream, torch.float64)
     _, grads_b, _ = reference_grads(case, upstream, torch.float32, round_grad_to=case.x.dtype)
@@ -150,6 +168,26 @@ def check_case(name, spec, ranks, world):
             err_rounded = (grads_b[n].to(dt).double() - grads_c[n]).abs().sum()
             assert err <= 0.25 * err_rounded, (name, n, float(err), float(err_rounded))
     return n_valid
+
+
+def _check_epilogue_grads(name, spec, ranks, ref_grads, io):
+    """With the epilogue: the ranks' summed weight gradients against the single call's (which
+    test_epilogue.py holds to the float64 oracle), within the rounding of partial sums; d_ape (when
+    there is one) and d_norm_weight are the group's totals on rank 0, zeros elsewhere."""
+    ulp = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-22}[io]
+    names = ["d_wkv", "d_wgate", "d_norm_weight"] + ([] if spec["epilogue"].get("no_ape") else ["d_ape"])
+    if spec["epilogue"].get("no_ape"):
+        assert all(res[name].get("d_ape") is None for res in ranks), name
+    for n in names:
+        if n == "d_norm_weight" and not spec["epilogue"].get("norm", True):
+            continue
+        total = sum(res[name][n].double() for res in ranks)
+        want = ref_grads[n].double()
+        scale = max(want.abs().max().item(), 1e-30)
+        tol = (4 * ulp if n in ("d_wkv", "d_wgate") else 2.0**-20) * scale
+        assert (total - want).abs().max().item() <= tol, (name, n, (total - want).abs().max().item(), scale)
+        if n in ("d_ape", "d_norm_weight"):
+            assert all(not res[name][n].any() for res in ranks[1:]), (name, n)
 
 
 def spec(th, split, lens, r, coff, cuts=None, **kw):
@@ -291,6 +329,30 @@ def test_wrong_device_is_refused_before_any_data_moves(tmp_path):
     errors = [res["bad_dev"].get("error") for res in ranks]
     assert errors[0] is not None and errors[0] == errors[1], errors
     assert "the tensors of rank 1" in errors[0] and "must all be on the device of x" in errors[0]
+
+
+EPILOGUE_CASES = {
+    # The model-level epilogue (RMSNorm, RoPE at global positions), with and without APE, both splits.
+    "ep_th_contig_c2_r4": spec(True, "contiguous", [11, 3, 14], 4, 2, cuts=[13, 15], sp=[2, 0, 7], H=32, D=16,
+                               epilogue=dict(norm=True, pairs=4)),
+    "ep_bsh_lb_c1_r2_no_ape": spec(False, "load_balanced", [16, 16], 2, 1, sp=[0, 6], H=32, D=16,
+                                   epilogue=dict(norm=True, pairs=2, no_ape=True)),
+    "ep_th_lb_c2_r4_rope_only": spec(True, "load_balanced", [16, 8, 24], 4, 2, sp=[1, 0, 6], used=[16, 5, 20],
+                                     H=32, D=16, epilogue=dict(norm=False, pairs=8)),
+    # kvcomp.nn.DeepseekV4Compressor.train_rows with cp_group (fp32 parameters: partial weight gradients)
+    "ep_v4_module_th_contig": spec(True, "contiguous", [13, 21], 4, 2, cuts=[15, 19], H=32, D=16, module="v4",
+                                   epilogue=dict(norm=True, pairs=4)),
+    "ep_bsh_contig_c1_r1_norm_only": spec(False, "contiguous", [9, 9], 1, 1, cuts=[4, 5], sp=[3, 0], H=32, D=16,
+                                          epilogue=dict(norm=True, pairs=0, no_ape=True)),
+}
+
+
+def test_epilogue(tmp_path):
+    """cp_compressor with the model-level epilogue: cmp_kv and d_x the single call's bit for bit, the
+    weight, APE and norm-weight gradients summed over the ranks equal to the single call's."""
+    ranks = run_ranks(tmp_path, 2, EPILOGUE_CASES)
+    for name, s in EPILOGUE_CASES.items():
+        check_case(name, s, ranks, 2)
 
 
 def test_world_2(tmp_path):
