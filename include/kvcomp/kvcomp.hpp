@@ -118,7 +118,8 @@ struct Options {
   void* stream = nullptr;
 };
 
-// The model-level epilogue (opt-in; extended profile; host tensors): what DeepSeek-V4's compressor does
+// The model-level epilogue (opt-in; extended profile; tensors where the call's others are: host memory
+// or its CUDA device): what DeepSeek-V4's compressor does
 // to each pooled row before it is stored, fused into the operator. In the model's arithmetic:
 // - the pooled row p is rounded to the io dtype;
 // - RMSNorm over D (norm_weight given): x_hat = p * rstd with rstd = 1 / sqrt(mean(p^2) + eps) (the

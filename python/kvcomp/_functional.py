@@ -240,7 +240,7 @@ def compressor_forward(
     holding that token (chunked prefill, context parallelism). False lets decode-sized CPU calls skip
     the padding that guarantees it (faster; still deterministic); the CUDA backend ignores it.
 
-    The model-level epilogue (DeepSeek-V4's compressor; extended profile, host tensors), opt-in:
+    The model-level epilogue (DeepSeek-V4's compressor; extended profile; on x's device), opt-in:
         norm_weight        fp32 or io [D]: RMSNorm over D after the pooling, epsilon ``norm_eps``
         rope_cos, rope_sin fp32 [positions, rd/2]: RoPE on the last rd channels, each row at its block's
                            first token's global position (k * cmp_ratio for block k)

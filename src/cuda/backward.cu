@@ -11,7 +11,9 @@ Status prepare_backward(const BackwardArgs& args, const Options& options, const 
       !s.ok())
     return s;
   dp->path = backward_path(plan.dims, options.precision);  // once, kept in the plan
-  *workspace = BackwardBuffers(plan.dims, dp->path, dp->max_chunk_blocks, nullptr).size;
+  *workspace = BackwardBuffers(plan.dims, dp->path, dp->max_chunk_blocks,
+                               epilogue_rows(args, args.d_cmp_kv, plan.dims), nullptr)
+                   .size;
   *out = std::move(dp);
   return Status::success();
 }
@@ -22,9 +24,10 @@ Status run_backward(const BackwardArgs& args, const Options& options, const Bloc
   if (!guard.status().ok()) return guard.status();
   if (auto s = check_execute_stream(options.stream); !s.ok()) return s;
   const Dims& d = plan.dims;
-  CudaExec ex{
-      static_cast<cudaStream_t>(options.stream),
-      BackwardBuffers(d, dev.path, dev.max_chunk_blocks, AlignedLayout<256>::align(workspace)).gemm_ws};
+  CudaExec ex{static_cast<cudaStream_t>(options.stream),
+              BackwardBuffers(d, dev.path, dev.max_chunk_blocks, epilogue_rows(args, args.d_cmp_kv, d),
+                              AlignedLayout<256>::align(workspace))
+                  .gemm_ws};
   return run_backward_chunks(ex, args, plan, dev.path, dev, dev.dev_batches, dev.dev_block_batch, workspace);
 }
 

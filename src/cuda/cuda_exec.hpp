@@ -61,6 +61,14 @@ struct CudaExec {
   Status f64_to_f32(const double* src, float* dst, std::int64_t n) {
     return launch_f64_to_f32(src, dst, n, stream);
   }
+  Status epilogue_forward(const EpilogueKernelArgs& e) { return launch_epilogue_forward(e, stream); }
+  Status epilogue_backward(const EpilogueKernelArgs& e) { return launch_epilogue_backward(e, stream); }
+  Status epilogue_weight_terms(const EpilogueKernelArgs& e, std::int64_t lo, std::int64_t hi) {
+    return launch_epilogue_weight_terms(e, lo, hi, stream);
+  }
+  Status f64_narrow(const double* src, void* dst, DType dt, std::int64_t n) {
+    return launch_f64_narrow(src, dst, dt, n, stream);
+  }
 };
 
 }  // namespace kvcomp::detail::cuda

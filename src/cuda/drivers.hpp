@@ -17,6 +17,10 @@
 //   Status gradient_rows(const Geometry&, const void* src, bool src_f32, void* dst, a, b, H)
 //   Status narrow(const float*, void*, DType, n)
 //   Status f64_to_f32(const double*, float*, n)
+//   Status epilogue_forward(const EpilogueKernelArgs&)
+//   Status epilogue_backward(const EpilogueKernelArgs&)
+//   Status epilogue_weight_terms(const EpilogueKernelArgs&, row_lo, row_hi)
+//   Status f64_narrow(const double*, void*, DType, n)
 #pragma once
 
 #include <algorithm>
@@ -45,20 +49,51 @@ Status fill_wcat(Exec& ex, const Args& args, const Dims& d, void* wcat) {
   return ex.copy(static_cast<unsigned char*>(wcat) + half, args.wgate.data, half);
 }
 
+// Output rows per launch of the d_norm_weight terms (the epilogue's backward): their float64 terms
+// [rows, D] are the scratch, summed into the total in row order after each launch.
+constexpr std::int64_t kEpilogueChunkRows = 1024;
+
+// The output rows the epilogue runs over (those of `out`, cmp_kv or d_cmp_kv), 0 without one: what
+// the buffers below size their epilogue scratch by.
+inline std::int64_t epilogue_rows(const SequenceArgs& a, const Tensor& out, const Dims& d) {
+  return a.epilogue.any() && d.D > 0 ? out.numel() / d.D : 0;
+}
+
+// The epilogue's inputs as the kernels read them (no buffers yet).
+inline EpilogueKernelArgs epilogue_args(const Epilogue& e, const Geometry& g, std::int64_t rows) {
+  EpilogueKernelArgs k;
+  k.g = g;
+  k.rows = rows;
+  if (e.norm_weight) {
+    k.norm_weight = e.norm_weight->data;
+    k.norm_dtype = e.norm_weight->dtype;
+    k.eps = e.norm_eps;
+  }
+  if (e.rope_cos && e.rope_sin) {
+    k.cos = static_cast<const float*>(e.rope_cos->data);
+    k.sin = static_cast<const float*>(e.rope_sin->data);
+    k.pairs = e.rope_cos->dim(1);
+  }
+  return k;
+}
+
 struct ForwardBuffers {
   std::int64_t panel_ld = 0;
   void* wcat = nullptr;  // [2C, H] io: wkv rows then wgate rows
   // [chunk + coff*r, panel_ld]: kv | score projections of a chunk and the rows before it
   float* panel = nullptr;
+  float* rstd = nullptr;  // [epilogue rows]: the RMSNorm's fp32 rstd of each output row
   void* gemm_ws = nullptr;
   std::size_t size = 0;
 
-  ForwardBuffers(const Dims& d, void* base) {
+  // epilogue_rows: epilogue_rows(args, cmp_kv, d).
+  ForwardBuffers(const Dims& d, std::int64_t epilogue_rows, void* base) {
     AlignedLayout<256> ws(base);
     wcat = take_wcat(ws, d);
     const std::int64_t rows = std::min(kForwardChunkRows, std::max<std::int64_t>(d.T, 1)) + d.coff * d.r;
     panel_ld = (2 * d.C + 3) / 4 * 4;  // 16-byte rows
     panel = ws.take<float>(rows * panel_ld);
+    if (epilogue_rows > 0) rstd = ws.take<float>(epilogue_rows);
     gemm_ws = ws.take<unsigned char>(static_cast<std::int64_t>(kGemmWorkspace));
     size = ws.size();
   }
@@ -86,10 +121,18 @@ struct BackwardBuffers {
   float* dwf = nullptr;        // [2C, H]: d_wkv rows then d_wgate rows, fp32 accumulators
   double* dape = nullptr;      // [r, C] float64 accumulator
   double* partials = nullptr;  // [max chunk blocks, r, C]
+  // The epilogue's backward (epilogue rows > 0): the pooled rows' gradient, the rows' RMSNorm stats,
+  // the d_norm_weight terms of kEpilogueChunkRows rows and their sum.
+  float* dp = nullptr;      // [epilogue rows, D]
+  double* stats = nullptr;  // [epilogue rows, 2]
+  double* wpart = nullptr;  // [min(epilogue rows, kEpilogueChunkRows), D]
+  double* wsum = nullptr;   // [D]
   void* gemm_ws = nullptr;
   std::size_t size = 0;
 
-  BackwardBuffers(const Dims& d, BackwardPath mode, std::int64_t max_chunk_blocks, void* base) {
+  // epilogue_rows: epilogue_rows(args, d_cmp_kv, d).
+  BackwardBuffers(const Dims& d, BackwardPath mode, std::int64_t max_chunk_blocks, std::int64_t epilogue_rows,
+                  void* base) {
     AlignedLayout<256> ws(base);
     wcat = take_wcat(ws, d);
     R = std::min(kBackwardChunkRows, std::max<std::int64_t>(d.T, 1));
@@ -104,6 +147,12 @@ struct BackwardBuffers {
     dwf = ws.take<float>(2 * d.C * d.H);
     dape = ws.take<double>(d.r * d.C);
     partials = ws.take<double>(std::max<std::int64_t>(1, max_chunk_blocks) * d.r * d.C);
+    if (epilogue_rows > 0) {
+      dp = ws.take<float>(epilogue_rows * d.D);
+      stats = ws.take<double>(2 * epilogue_rows);
+      wpart = ws.take<double>(std::min(epilogue_rows, kEpilogueChunkRows) * d.D);
+      wsum = ws.take<double>(d.D);
+    }
     gemm_ws = ws.take<unsigned char>(static_cast<std::int64_t>(kGemmWorkspace));
     size = ws.size();
   }
@@ -116,7 +165,8 @@ Status run_forward_chunks(Exec& ex, const ForwardArgs& args, const BlockPlan& pl
                           const DevBatch* batches, const std::int32_t* block_batch, void* workspace) {
   const Dims& d = plan.dims;
   if (d.T == 0) return Status::success();  // empty input: nothing computed, cache untouched
-  ForwardBuffers buf(d, AlignedLayout<256>::align(workspace));
+  const std::int64_t ep_rows = epilogue_rows(args, args.cmp_kv, d);
+  ForwardBuffers buf(d, ep_rows, AlignedLayout<256>::align(workspace));
   ForwardKernelArgs p;
   p.g = {batches, block_batch, d.B, d.D, d.C, d.r, d.coff, d.io};
   p.panel = buf.panel;
@@ -169,7 +219,14 @@ Status run_forward_chunks(Exec& ex, const ForwardArgs& args, const BlockPlan& pl
       if (auto st = ex.forward_blocks(p, lo, hi); !st.ok()) return st;
     }
   }
-  return ex.zero_padding(p);
+  if (auto s = ex.zero_padding(p); !s.ok()) return s;
+  if (ep_rows == 0) return Status::success();
+  // The epilogue on the pooled rows, which a call that records the gradient keeps in `pooled` first.
+  EpilogueKernelArgs e = epilogue_args(args.epilogue, p.g, ep_rows);
+  e.cmp_kv = args.cmp_kv.data;
+  e.pooled = args.grad_enabled ? args.pooled.data : nullptr;
+  e.rstd = buf.rstd;
+  return ex.epilogue_forward(e);
 }
 
 // The backward of a validated call.
@@ -178,15 +235,19 @@ Status run_backward_chunks(Exec& ex, const BackwardArgs& args, const BlockPlan& 
                            const ChunkPlan& cp, const DevBatch* batches, const std::int32_t* block_batch,
                            void* workspace) {
   const Dims& d = plan.dims;
-  if (plan.total_blocks == 0) {  // spec 2.7: four all-zero outputs, whatever the memory held
-    for (const Tensor* t : {&args.d_x, &args.d_wkv, &args.d_wgate, &args.d_ape})
+  const bool norm = args.epilogue.norm_weight.has_value();
+  if (plan.total_blocks == 0) {  // spec 2.7: all-zero outputs, whatever the memory held
+    for (const Tensor* t : {&args.d_x, &args.d_wkv, &args.d_wgate, &args.d_ape, &args.d_norm_weight}) {
+      if (!t->data || (t == &args.d_norm_weight && !norm)) continue;  // no d_ape (no APE), no norm
       if (auto s = ex.zero(t->data, static_cast<std::size_t>(t->numel()) * dtype_size(t->dtype)); !s.ok())
         return s;
+    }
     return Status::success();
   }
   const std::int64_t H = d.H, C = d.C;
   const std::size_t io_size = dtype_size(d.io);
-  BackwardBuffers buf(d, mode, cp.max_chunk_blocks, AlignedLayout<256>::align(workspace));
+  const std::int64_t ep_rows = epilogue_rows(args, args.d_cmp_kv, d);
+  BackwardBuffers buf(d, mode, cp.max_chunk_blocks, ep_rows, AlignedLayout<256>::align(workspace));
   if (auto s = fill_wcat(ex, args, d, buf.wcat); !s.ok()) return s;
   if (auto s = ex.zero(buf.dwf, static_cast<std::size_t>(2 * C * H) * sizeof(float)); !s.ok()) return s;
   if (auto s = ex.zero(buf.dape, static_cast<std::size_t>(d.r * C) * sizeof(double)); !s.ok()) return s;
@@ -194,6 +255,7 @@ Status run_backward_chunks(Exec& ex, const BackwardArgs& args, const BlockPlan& 
   BackwardKernelArgs p;
   p.g = {batches, block_batch, d.B, d.D, C, d.r, d.coff, d.io};
   p.d_cmp_kv = args.d_cmp_kv.data;
+  p.d_cmp_dtype = d.io;
   p.softmax_score = static_cast<const float*>(args.softmax_score.data);
   p.kv = static_cast<const float*>(args.kv.data);
   p.mode = mode;
@@ -202,6 +264,30 @@ Status run_backward_chunks(Exec& ex, const BackwardArgs& args, const BlockPlan& 
   p.dnew_ld = buf.dnew_ld;
   p.lo_scale = lo_scale(d.io);
   p.partials = buf.partials;
+
+  if (ep_rows > 0) {
+    // The epilogue's backward first: the pooled rows' gradient, in fp32, is what the blocks read.
+    EpilogueKernelArgs e = epilogue_args(args.epilogue, p.g, ep_rows);
+    e.d_cmp_kv = args.d_cmp_kv.data;
+    e.pooled_in = args.pooled.data;
+    e.dp = buf.dp;
+    e.stats = buf.stats;
+    e.wpart = buf.wpart;
+    if (auto s = ex.epilogue_backward(e); !s.ok()) return s;
+    if (norm) {
+      // d_norm_weight[i] = the rows' terms summed in row order, kEpilogueChunkRows rows per launch.
+      if (auto s = ex.zero(buf.wsum, static_cast<std::size_t>(d.D) * sizeof(double)); !s.ok()) return s;
+      for (std::int64_t lo = 0; lo < ep_rows; lo += kEpilogueChunkRows) {
+        const std::int64_t hi = std::min(ep_rows, lo + kEpilogueChunkRows);
+        if (auto s = ex.epilogue_weight_terms(e, lo, hi); !s.ok()) return s;
+        if (auto s = ex.dape_accumulate(buf.wpart, hi - lo, d.D, buf.wsum); !s.ok()) return s;
+      }
+      if (auto s = ex.f64_narrow(buf.wsum, args.d_norm_weight.data, args.d_norm_weight.dtype, d.D); !s.ok())
+        return s;
+    }
+    p.d_cmp_kv = buf.dp;
+    p.d_cmp_dtype = DType::f32;
+  }
 
   void* parts[2] = {buf.dnew_hi, buf.dnew_lo};
   const float alphas[2] = {1.0f, 1.0f / p.lo_scale};
@@ -218,7 +304,8 @@ Status run_backward_chunks(Exec& ex, const BackwardArgs& args, const BlockPlan& 
     for (int i = 0; i < nparts; ++i)
       if (auto s = ex.zero(parts[i], dnew_bytes); !s.ok()) return s;
     if (auto s = ex.backward_blocks(p, c.g_lo, c.g_hi, c.a, c.b); !s.ok()) return s;
-    if (auto s = ex.dape_accumulate(buf.partials, c.g_hi - c.g_lo, d.r * C, buf.dape); !s.ok()) return s;
+    if (args.d_ape.data)  // else a call without APE
+      if (auto s = ex.dape_accumulate(buf.partials, c.g_hi - c.g_lo, d.r * C, buf.dape); !s.ok()) return s;
 
     // x rows without gradient are zeroed so that 0 * Inf/NaN in them cannot
     // leak into d_wkv / d_wgate (the NPU kernel does the same).
@@ -252,6 +339,7 @@ Status run_backward_chunks(Exec& ex, const BackwardArgs& args, const BlockPlan& 
   }
   if (auto s = ex.narrow(buf.dwf, args.d_wkv.data, d.io, C * H); !s.ok()) return s;
   if (auto s = ex.narrow(buf.dwf + C * H, args.d_wgate.data, d.io, C * H); !s.ok()) return s;
+  if (!args.d_ape.data) return Status::success();
   return ex.f64_to_f32(buf.dape, static_cast<float*>(args.d_ape.data), d.r * C);
 }
 

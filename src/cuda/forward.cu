@@ -13,7 +13,7 @@ Status prepare_forward(const ForwardArgs& args, const Options& options, const Bl
       !s.ok())
     return s;
   dp->serial = cache_slots_alias(plan, cache_geometry(args, block_table.data()));
-  *workspace = ForwardBuffers(plan.dims, nullptr).size;
+  *workspace = ForwardBuffers(plan.dims, epilogue_rows(args, args.cmp_kv, plan.dims), nullptr).size;
   *out = std::move(dp);
   return Status::success();
 }
@@ -24,7 +24,9 @@ Status run_forward(const ForwardArgs& args, const Options& options, const BlockP
   if (!guard.status().ok()) return guard.status();
   if (auto s = check_execute_stream(options.stream); !s.ok()) return s;
   CudaExec ex{static_cast<cudaStream_t>(options.stream),
-              ForwardBuffers(plan.dims, AlignedLayout<256>::align(workspace)).gemm_ws};
+              ForwardBuffers(plan.dims, epilogue_rows(args, args.cmp_kv, plan.dims),
+                             AlignedLayout<256>::align(workspace))
+                  .gemm_ws};
   return run_forward_chunks(ex, args, plan, dev, dev.dev_batches, dev.dev_block_batch, workspace);
 }
 

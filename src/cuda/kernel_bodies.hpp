@@ -85,7 +85,8 @@ KVCOMP_HD i64 cache_block(const ForwardKernelArgs& p, i64 b, i64 pos) {
 struct SlotSource {
   const float* kv = nullptr;  // null: a placeholder (no history), weight exactly 0
   const float* sc = nullptr;
-  const float* ape = nullptr;  // fresh rows: the ape to add to the score; cache rows hold it already
+  const float* ape =
+      nullptr;  // fresh rows: the ape to add to the score (null without APE); cache rows hold it
 };
 
 KVCOMP_HD SlotSource slot_source(const ForwardKernelArgs& p, const DevBatch& s, i64 b, i64 k, i64 j, i64 d) {
@@ -103,7 +104,7 @@ KVCOMP_HD SlotSource slot_source(const ForwardKernelArgs& p, const DevBatch& s, 
   const float* row = p.panel + (s.base + pos - s.sp - p.panel_first) * p.panel_ld;
   src.kv = row + c * g.D + d;
   src.sc = row + g.C + c * g.D + d;
-  src.ape = p.ape + (pos % g.r) * g.C + c * g.D + d;
+  if (p.ape) src.ape = p.ape + (pos % g.r) * g.C + c * g.D + d;  // else a call without APE
   return src;
 }
 
@@ -181,7 +182,7 @@ KVCOMP_HD void cache_write(const ForwardKernelArgs& p, i64 row, i64 col) {
   float* slot = p.cache + id * p.cache_stride0 + (pos % p.block_size) * 2 * g.C;
   const float* src = p.panel + (row - p.panel_first) * p.panel_ld;
   float v = src[col];
-  if (col >= g.C) v = v + p.ape[(pos % g.r) * g.C + (col - g.C)];
+  if (col >= g.C && p.ape) v = v + p.ape[(pos % g.r) * g.C + (col - g.C)];
   slot[col] = v;
 }
 
@@ -236,7 +237,7 @@ KVCOMP_HD void backward_block(const BackwardKernelArgs& p, i64 g_lo, i64 blk, i6
   const i64 cr = g.coff * g.r;
   const float* S = p.softmax_score + orow * cr * g.D + d;
   const float* K = p.kv + orow * cr * g.D + d;
-  const float dc = load_io(p.d_cmp_kv, orow * g.D + d, g.io);
+  const float dc = load_io(p.d_cmp_kv, orow * g.D + d, p.d_cmp_dtype);
   // w = sum_j S_j K_j over every row of the block, in float64 (each product exact).
   double wsum = 0.0;
   for (i64 j = 0; j < cr; ++j) wsum += static_cast<double>(S[j * g.D]) * static_cast<double>(K[j * g.D]);

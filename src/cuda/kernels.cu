@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "cuda/common.hpp"
+#include "cuda/epilogue_bodies.hpp"
 #include "cuda/kernel_bodies.hpp"
 #include "cuda/kernels.hpp"
 
@@ -63,6 +64,32 @@ __global__ void f64_to_f32_kernel(const double* src, float* dst, i64 n) {
   for (i64 i = static_cast<i64>(blockIdx.x) * kThreads + threadIdx.x; i < n;
        i += static_cast<i64>(gridDim.x) * kThreads)
     dst[i] = static_cast<float>(src[i]);
+}
+
+__global__ void epilogue_forward_stats_kernel(EpilogueKernelArgs e) {
+  body::epilogue_forward_stats(e, static_cast<i64>(blockIdx.x) * kThreads + threadIdx.x);
+}
+
+__global__ void epilogue_forward_kernel(EpilogueKernelArgs e) {
+  body::epilogue_forward_element(e, blockIdx.x, column());
+}
+
+__global__ void epilogue_backward_stats_kernel(EpilogueKernelArgs e) {
+  body::epilogue_backward_stats(e, static_cast<i64>(blockIdx.x) * kThreads + threadIdx.x);
+}
+
+__global__ void epilogue_backward_kernel(EpilogueKernelArgs e) {
+  body::epilogue_backward_element(e, blockIdx.x, column());
+}
+
+__global__ void epilogue_weight_terms_kernel(EpilogueKernelArgs e, i64 row_lo) {
+  body::epilogue_weight_term(e, row_lo, row_lo + blockIdx.x, column());
+}
+
+__global__ void f64_narrow_kernel(const double* src, void* dst, DType dt, i64 n) {
+  for (i64 i = static_cast<i64>(blockIdx.x) * kThreads + threadIdx.x; i < n;
+       i += static_cast<i64>(gridDim.x) * kThreads)
+    body::f64_narrow(src, dst, dt, i);
 }
 
 // Launches kernel and reports its own launch error (cudaLaunchKernelEx
@@ -142,8 +169,43 @@ Status launch_plain_gemm(const LtCall& c, cudaStream_t s) {
 
 Status launch_f64_to_f32(const double* src, float* dst, std::int64_t n, cudaStream_t s) {
   if (n == 0) return Status::success();
-  return launch("the d_ape narrowing kernel launch", f64_to_f32_kernel,
-                grid_stride_blocks(n), s, src, dst, n);
+  return launch("the d_ape narrowing kernel launch", f64_to_f32_kernel, grid_stride_blocks(n), s, src, dst,
+                n);
+}
+
+Status launch_epilogue_forward(const EpilogueKernelArgs& e, cudaStream_t s) {
+  if (e.rows == 0 || e.g.D == 0) return Status::success();
+  if (e.norm_weight)
+    if (auto st = launch("the epilogue's row statistics kernel launch", epilogue_forward_stats_kernel,
+                         blocks_for(e.rows), s, e);
+        !st.ok())
+      return st;
+  return launch("the epilogue kernel launch", epilogue_forward_kernel,
+                dim3(static_cast<unsigned>(e.rows), blocks_for(e.g.D)), s, e);
+}
+
+Status launch_epilogue_backward(const EpilogueKernelArgs& e, cudaStream_t s) {
+  if (e.rows == 0 || e.g.D == 0) return Status::success();
+  if (e.norm_weight)
+    if (auto st = launch("the epilogue's row statistics kernel launch", epilogue_backward_stats_kernel,
+                         blocks_for(e.rows), s, e);
+        !st.ok())
+      return st;
+  return launch("the epilogue backward kernel launch", epilogue_backward_kernel,
+                dim3(static_cast<unsigned>(e.rows), blocks_for(e.g.D)), s, e);
+}
+
+Status launch_epilogue_weight_terms(const EpilogueKernelArgs& e, std::int64_t row_lo, std::int64_t row_hi,
+                                    cudaStream_t s) {
+  if (row_hi <= row_lo || e.g.D == 0) return Status::success();
+  return launch("the norm weight gradient kernel launch", epilogue_weight_terms_kernel,
+                dim3(static_cast<unsigned>(row_hi - row_lo), blocks_for(e.g.D)), s, e, row_lo);
+}
+
+Status launch_f64_narrow(const double* src, void* dst, DType dt, std::int64_t n, cudaStream_t s) {
+  if (n == 0) return Status::success();
+  return launch("the norm weight gradient narrowing kernel launch", f64_narrow_kernel, grid_stride_blocks(n),
+                s, src, dst, dt, n);
 }
 
 }  // namespace kvcomp::detail::cuda

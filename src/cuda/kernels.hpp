@@ -31,7 +31,7 @@ struct ForwardKernelArgs {
   // Projections of rows [panel_first, ...): [rows, 2C] fp32, kv then score (without ape).
   const float* panel = nullptr;
   std::int64_t panel_first = 0, panel_ld = 0;
-  const float* ape = nullptr;  // [r, C]
+  const float* ape = nullptr;  // [r, C]; null: a call without APE
   // State cache
   float* cache = nullptr;
   std::int64_t cache_stride0 = 0, block_size = 0, block_num = 0;
@@ -64,7 +64,8 @@ Status launch_zero_padding(const ForwardKernelArgs& p, cudaStream_t s);
 
 struct BackwardKernelArgs {
   Geometry g;
-  const void* d_cmp_kv = nullptr;        // io dtype [out_rows, D]
+  const void* d_cmp_kv = nullptr;        // [out_rows, D], d_cmp_dtype
+  DType d_cmp_dtype = DType::bf16;       // the io dtype; f32 after the epilogue's backward (its dp)
   const float* softmax_score = nullptr;  // [out_rows, coff*r, D]
   const float* kv = nullptr;
   BackwardPath mode = BackwardPath::f32;
@@ -100,5 +101,41 @@ Status launch_narrow(const float* src, void* dst, DType io, std::int64_t n, cuda
 Status launch_plain_gemm(const LtCall& c, cudaStream_t s);
 // dst[i] = float(src[i]) for n float64 values.
 Status launch_f64_to_f32(const double* src, float* dst, std::int64_t n, cudaStream_t s);
+
+// The model-level epilogue (kvcomp.hpp's Epilogue) over the output rows: per row, one thread for the
+// row's statistics (a sum over D in column order), then one thread per column (or per rotated pair).
+struct EpilogueKernelArgs {
+  Geometry g;                         // the batches (out_row, nblocks, k0), D, r, io
+  std::int64_t rows = 0;              // output rows
+  const void* norm_weight = nullptr;  // [D], norm_dtype; null: no RMSNorm
+  DType norm_dtype = DType::f32;
+  float eps = 0.0f;
+  const float* cos = nullptr;  // [positions, pairs]; null: no RoPE
+  const float* sin = nullptr;
+  std::int64_t pairs = 0;  // rd / 2
+  // Forward: cmp_kv's rows in place; pooled (when not null) gets them first; rstd [rows] scratch.
+  void* cmp_kv = nullptr;
+  void* pooled = nullptr;
+  float* rstd = nullptr;
+  // Backward: from d_cmp_kv (io) and the forward's pooled rows (io) to dp [rows, D] fp32;
+  // stats [rows, 2] float64 scratch (rstd, mean(w dy x_hat)); wpart [chunk rows, D] float64: the
+  // rows' terms of d_norm_weight, summed in row order by launch_dape_accumulate.
+  const void* d_cmp_kv = nullptr;
+  const void* pooled_in = nullptr;
+  float* dp = nullptr;
+  double* stats = nullptr;
+  double* wpart = nullptr;
+};
+
+// The epilogue's forward on every row of cmp_kv (pooled written first when given).
+Status launch_epilogue_forward(const EpilogueKernelArgs& e, cudaStream_t s);
+// The pooled rows' gradient dp (zero in rows without a block) and, with the RMSNorm, the rows' stats.
+Status launch_epilogue_backward(const EpilogueKernelArgs& e, cudaStream_t s);
+// wpart[row - row_lo][i] = the term of row `row` in d_norm_weight[i] (0 in rows without a block), for
+// rows [row_lo, row_hi); needs launch_epilogue_backward's stats.
+Status launch_epilogue_weight_terms(const EpilogueKernelArgs& e, std::int64_t row_lo, std::int64_t row_hi,
+                                    cudaStream_t s);
+// dst[i] = dt(float(src[i])) for n float64 values (dt: f32, bf16 or f16).
+Status launch_f64_narrow(const double* src, void* dst, DType dt, std::int64_t n, cudaStream_t s);
 
 }  // namespace kvcomp::detail::cuda

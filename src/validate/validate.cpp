@@ -118,6 +118,19 @@ void add_sequence(std::vector<Named>& v, const SequenceArgs& a) {
   add_optional(v, "start_pos", a.start_pos);
 }
 
+// The epilogue's tensors where the call runs, as every other tensor of it: the given ones only (a
+// missing one is reported by check_epilogue / check_pooled); `pooled` (null: not taken) and
+// d_norm_weight (null: none) where the epilogue is on.
+void add_epilogue(std::vector<Named>& v, const SequenceArgs& a, const Tensor* pooled,
+                  const Tensor* d_norm_weight) {
+  const Epilogue& e = a.epilogue;
+  if (e.norm_weight && e.norm_weight->data) v.emplace_back("epilogue.norm_weight", &*e.norm_weight);
+  if (e.rope_cos && e.rope_cos->data) v.emplace_back("epilogue.rope_cos", &*e.rope_cos);
+  if (e.rope_sin && e.rope_sin->data) v.emplace_back("epilogue.rope_sin", &*e.rope_sin);
+  if (e.any() && pooled && pooled->data) v.emplace_back("pooled", pooled);
+  if (e.norm_weight && d_norm_weight && d_norm_weight->data) v.emplace_back("d_norm_weight", d_norm_weight);
+}
+
 Status check_optional_int(const char* name, const std::optional<Tensor>& t, std::int64_t len) {
   if (!t) return Status::success();
   if (t->data == nullptr && t->numel() != 0) return null_ptr(name);
@@ -325,16 +338,12 @@ Status check_epilogue(const SequenceArgs& a, const Options& o, const BlockPlan& 
   if (o.profile == Profile::aclnn)
     return invalid(std::string("epilogue.") + first +
                    " (= given) must be absent under the aclnn profile (the NPU operator has no epilogue)");
-  if (a.x.device.type != DeviceType::cpu)
-    return invalid(std::string("epilogue.") + first + " (= given) must be absent for a call on " +
-                   device_name(a.x.device) +
-                   ": the CUDA backend has no epilogue yet (run the call on host "
-                   "tensors, or the norm and rotation after it)");
   if (e.norm_weight) {
     const Tensor& w = *e.norm_weight;
     if (auto s = check_present("epilogue.norm_weight", w); !s.ok()) return s;
-    if (w.device.type != DeviceType::cpu)
-      return invalid("epilogue.norm_weight (= on " + device_name(w.device) + ") must be in host memory");
+    if (w.device != a.x.device)
+      return invalid("epilogue.norm_weight (= on " + device_name(w.device) +
+                     ") must be on the device of x (" + device_name(a.x.device) + ")");
     if (w.dtype != DType::f32 && w.dtype != d.io)
       return invalid(std::string("epilogue.norm_weight (dtype ") + dtype_name(w.dtype) +
                      ") must be f32 or the io dtype " + dtype_name(d.io));
@@ -348,8 +357,9 @@ Status check_epilogue(const SequenceArgs& a, const Options& o, const BlockPlan& 
     for (const auto& [name, t] :
          {Named{"epilogue.rope_cos", &*e.rope_cos}, Named{"epilogue.rope_sin", &*e.rope_sin}}) {
       if (auto s = check_present(name, *t); !s.ok()) return s;
-      if (t->device.type != DeviceType::cpu)
-        return invalid(std::string(name) + " (= on " + device_name(t->device) + ") must be in host memory");
+      if (t->device != a.x.device)
+        return invalid(std::string(name) + " (= on " + device_name(t->device) +
+                       ") must be on the device of x (" + device_name(a.x.device) + ")");
       if (auto s = check_rank_dtype(name, *t, DType::f32, 2); !s.ok()) return s;
     }
     const Tensor& c = *e.rope_cos;
@@ -393,8 +403,6 @@ Status validate_forward(const ForwardArgs& a, const Options& o, BlockPlan* plan,
   const bool no_ape = absent(a.ape) && o.profile == Profile::extended;
   if (!no_ape)
     if (auto s = check_present("ape", a.ape); !s.ok()) return s;
-  if (no_ape && a.x.device.type != DeviceType::cpu)
-    return null_ptr("ape (absent for a call on a CUDA device, which needs it)");
   if (!a.state_block_table) return null_ptr("state_block_table");
   if (auto s = check_present("state_block_table", *a.state_block_table, true); !s.ok()) return s;
   if (auto s = check_present("cmp_kv", a.cmp_kv, true); !s.ok()) return s;
@@ -409,6 +417,7 @@ Status validate_forward(const ForwardArgs& a, const Options& o, BlockPlan* plan,
   add_optional(on_device, "state_block_table", a.state_block_table);
   if (a.grad_enabled || a.softmax_score.data) on_device.emplace_back("softmax_score", &a.softmax_score);
   if (a.grad_enabled || a.kv.data) on_device.emplace_back("kv", &a.kv);
+  add_epilogue(on_device, a, a.grad_enabled ? &a.pooled : nullptr, nullptr);
   if (auto s = check_devices(on_device, device); !s.ok()) return s;
   Dims d;
   if (auto s = validate_sequence(a, o, true, &d); !s.ok()) return s;
@@ -499,6 +508,7 @@ Status validate_backward(const BackwardArgs& a, const Options& o, BlockPlan* pla
   add_optional(on_device, "cu_seqlens", a.cu_seqlens);
   add_optional(on_device, "seqused", a.seqused);
   add_optional(on_device, "start_pos", a.start_pos);
+  add_epilogue(on_device, a, &a.pooled, &a.d_norm_weight);
   if (auto s = check_devices(on_device, device); !s.ok()) return s;
   Dims d;
   if (auto s = validate_sequence(a, o, false, &d); !s.ok()) return s;
@@ -521,8 +531,6 @@ Status validate_backward(const BackwardArgs& a, const Options& o, BlockPlan* pla
   if (auto s = check_rank_dtype("d_wgate", a.d_wgate, wgrad_dt, 2); !s.ok()) return s;
   // d_ape: f32 [r, C]; or (extended profile, CPU) f32 [2, r, C]: the float64 sums as hi + lo parts.
   const bool dape_parts = a.d_ape.rank == 3 && o.profile == Profile::extended;
-  if (no_dape && a.x.device.type != DeviceType::cpu)
-    return null_ptr("d_ape (absent for a call on a CUDA device, which computes it)");
   if (dape_parts && a.d_ape.device.type != DeviceType::cpu)
     return invalid("d_ape (rank 3 on " + device_name(a.d_ape.device) +
                    ") must have rank 2: its float64 hi + lo parts are computed on the CPU only");

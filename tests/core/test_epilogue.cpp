@@ -10,100 +10,11 @@
 #include <random>
 #include <vector>
 
+#include "epilogue_check.hpp"
 #include "harness.hpp"
 
 namespace kvcomp::test {
 namespace {
-
-// The epilogue's inputs: norm weight [D] (f32), a RoPE table of `positions` rows and rd / 2 = pairs.
-struct EpilogueData {
-  Buffer norm_weight, cos, sin, pooled, d_norm_weight;
-  std::int64_t pairs = 0, positions = 0;
-  bool norm = false;
-  ref::Epilogue<double> reference(DType io) const {
-    ref::Epilogue<double> e;
-    if (norm) e.norm_weight = norm_weight.values();
-    e.eps = 1e-6;
-    if (pairs > 0) {
-      e.cos = cos.values();
-      e.sin = sin.values();
-      e.pairs = pairs;
-    }
-    e.round = [io](double v) { return round_to_dtype(v, io); };
-    return e;
-  }
-};
-
-EpilogueData make_epilogue(const ref::Problem& p, bool norm, std::int64_t pairs, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> w(0.5, 1.5);
-  EpilogueData e;
-  e.norm = norm;
-  e.pairs = pairs;
-  std::vector<double> nw(static_cast<std::size_t>(p.D));
-  for (double& v : nw) v = w(rng);
-  e.norm_weight = Buffer::of(nw, DType::f32);
-  e.positions = 1024;  // past the last block of every case here
-  std::vector<double> c(static_cast<std::size_t>(e.positions * std::max<std::int64_t>(pairs, 1))), s = c;
-  for (std::int64_t pos = 0; pos < e.positions; ++pos)
-    for (std::int64_t i = 0; i < pairs; ++i) {
-      const double theta = static_cast<double>(pos) * std::pow(10000.0, -2.0 * static_cast<double>(i) / 16.0);
-      c[static_cast<std::size_t>(pos * pairs + i)] = static_cast<float>(std::cos(theta));
-      s[static_cast<std::size_t>(pos * pairs + i)] = static_cast<float>(std::sin(theta));
-    }
-  e.cos = Buffer::of(c, DType::f32);
-  e.sin = Buffer::of(s, DType::f32);
-  return e;
-}
-
-void attach(SequenceArgs& a, EpilogueData& e, const ref::Problem& p) {
-  if (e.norm) a.epilogue.norm_weight = tensor(e.norm_weight, {p.D});
-  if (e.pairs > 0) {
-    a.epilogue.rope_cos = tensor(e.cos, {e.positions, e.pairs});
-    a.epilogue.rope_sin = tensor(e.sin, {e.positions, e.pairs});
-  }
-}
-
-RandomOptions epilogue_case(bool th) {
-  RandomOptions o;
-  o.th = th;
-  o.B = 3;
-  o.S = 37;
-  o.H = 24;
-  o.D = 40;  // three column slices, and a RoPE part that starts inside one
-  o.coff = 2;
-  o.r = 4;
-  o.max_start_pos = 16;
-  o.block_size = 64;
-  return o;
-}
-
-// The largest distance between a and b in units of the io dtype's spacing at b.
-double max_ulps(const std::vector<double>& a, const std::vector<double>& b, DType io) {
-  const int bits = io == DType::bf16 ? 8 : io == DType::f16 ? 11 : 24;
-  double worst = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    const double m = std::max(std::abs(b[i]), io == DType::f16 ? 6.1e-5 : 1e-30);
-    const double ulp = std::ldexp(1.0, std::ilogb(m) - bits + 1);
-    worst = std::max(worst, std::abs(a[i] - b[i]) / ulp);
-  }
-  return worst;
-}
-
-double relative_error(const std::vector<double>& a, const std::vector<double>& b) {
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    num = std::max(num, std::abs(a[i] - b[i]));
-    den = std::max(den, std::abs(b[i]));
-  }
-  return den > 0 ? num / den : num;
-}
-
-struct Variant {
-  bool norm;
-  std::int64_t pairs;
-};
-constexpr Variant kVariants[] = {{true, 0}, {false, 4}, {true, 8}, {true, 20}};  // rd = 40 = D: all rotated
 
 TEST(Epilogue, ForwardIsTheModelsArithmeticOnThePooledRows) {
   for (DType io : {DType::bf16, DType::f16, DType::f32})
@@ -143,42 +54,6 @@ TEST(Epilogue, ForwardIsTheModelsArithmeticOnThePooledRows) {
           EXPECT_GE(static_cast<double>(same), 0.97 * static_cast<double>(got.size()));
         }
       }
-}
-
-// One backward with the epilogue, its inputs from kvcomp's own forward.
-struct EpilogueBackward {
-  std::unique_ptr<ForwardRun> fwd;
-  EpilogueData e;
-  std::unique_ptr<BackwardRun> bwd;
-  std::vector<double> d_out;
-};
-
-std::unique_ptr<EpilogueBackward> epilogue_backward(const RandomCase<double>& rc, DType io, Variant v,
-                                                    bool with_ape = true) {
-  const ref::Problem& p = rc.problem;
-  auto r = std::make_unique<EpilogueBackward>();
-  r->fwd = std::make_unique<ForwardRun>(p, rc.in, io);
-  r->e = make_epilogue(p, v.norm, v.pairs, 9);
-  attach(r->fwd->args, r->e, p);
-  if (!with_ape) r->fwd->args.ape = Tensor{};
-  r->e.pooled = Buffer::filled(r->fwd->cmp_kv.size(), io, 5.0f);
-  r->fwd->args.pooled = compressed_tensor(r->e.pooled, p, false);
-  EXPECT_TRUE(r->fwd->run().ok());
-  BackwardData bd;
-  bd.softmax_score = r->fwd->softmax_score.values();
-  bd.kv = r->fwd->kv.values();
-  std::mt19937_64 rng(13);
-  std::uniform_real_distribution<double> dist(-1, 1);
-  r->d_out.resize(r->fwd->cmp_kv.size());
-  for (double& g : r->d_out) g = round_to_dtype(dist(rng), io);
-  bd.d_cmp_kv = r->d_out;
-  r->bwd = std::make_unique<BackwardRun>(p, rc.in, bd, io);
-  attach(r->bwd->args, r->e, p);
-  r->bwd->args.pooled = compressed_tensor(r->e.pooled, p, false);
-  r->e.d_norm_weight = Buffer::filled(static_cast<std::size_t>(p.D), DType::f32, 3.0f);
-  if (v.norm) r->bwd->args.d_norm_weight = tensor(r->e.d_norm_weight, {p.D});
-  if (!with_ape) r->bwd->args.d_ape = Tensor{};
-  return r;
 }
 
 TEST(Epilogue, BackwardMatchesTheFloat64Oracle) {

@@ -69,6 +69,9 @@ inline void move_sequence(DeviceMirror& m, SequenceArgs& a) {
   m.move(a.cu_seqlens);
   m.move(a.seqused);
   m.move(a.start_pos);
+  m.move(a.epilogue.norm_weight);
+  m.move(a.epilogue.rope_cos);
+  m.move(a.epilogue.rope_sin);
 }
 
 inline void move_forward(DeviceMirror& m, ForwardArgs& a) {
@@ -79,6 +82,7 @@ inline void move_forward(DeviceMirror& m, ForwardArgs& a) {
   m.move(a.cmp_kv, true);
   m.move(a.softmax_score, true);
   m.move(a.kv, true);
+  m.move(a.pooled, true);
 }
 
 inline void move_backward(DeviceMirror& m, BackwardArgs& a) {
@@ -90,6 +94,8 @@ inline void move_backward(DeviceMirror& m, BackwardArgs& a) {
   m.move(a.d_wkv, true);
   m.move(a.d_wgate, true);
   m.move(a.d_ape, true);
+  m.move(a.pooled);
+  m.move(a.d_norm_weight, true);
 }
 
 inline void move_args(DeviceMirror& m, ForwardArgs& a) { move_forward(m, a); }

@@ -14,8 +14,10 @@
 #include <vector>
 
 #include "cuda/drivers.hpp"
+#include "cuda/epilogue_bodies.hpp"
 #include "cuda/kernel_bodies.hpp"
 #include "cuda_sweep.hpp"
+#include "epilogue_check.hpp"
 #include "validate/validate.hpp"
 
 namespace kvcomp::test {
@@ -119,6 +121,29 @@ struct HostExec {
     for (i64 i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
     return Status::success();
   }
+  // The two launches of each epilogue phase: the rows' statistics, then the elements (columns in
+  // reverse, so that a thread reading what another of its launch writes would see the wrong value).
+  Status epilogue_forward(const EpilogueKernelArgs& e) {
+    for (i64 row = 0; row < e.rows; ++row) body::epilogue_forward_stats(e, row);
+    for (i64 row = 0; row < e.rows; ++row)
+      for (i64 d = e.g.D - 1; d >= 0; --d) body::epilogue_forward_element(e, row, d);
+    return Status::success();
+  }
+  Status epilogue_backward(const EpilogueKernelArgs& e) {
+    for (i64 row = 0; row < e.rows; ++row) body::epilogue_backward_stats(e, row);
+    for (i64 row = 0; row < e.rows; ++row)
+      for (i64 d = e.g.D - 1; d >= 0; --d) body::epilogue_backward_element(e, row, d);
+    return Status::success();
+  }
+  Status epilogue_weight_terms(const EpilogueKernelArgs& e, i64 lo, i64 hi) {
+    for (i64 row = lo; row < hi; ++row)
+      for (i64 d = 0; d < e.g.D; ++d) body::epilogue_weight_term(e, lo, row, d);
+    return Status::success();
+  }
+  Status f64_narrow(const double* src, void* dst, DType dt, i64 n) {
+    for (i64 i = 0; i < n; ++i) body::f64_narrow(src, dst, dt, i);
+    return Status::success();
+  }
 };
 
 std::unique_ptr<unsigned char[]> workspace(std::size_t bytes) {
@@ -139,7 +164,7 @@ Status emulate(ForwardRun& r, const Options& o, i64 split = 0, bool plain = fals
   ChunkPlan cp = make_chunk_plan(bp, kForwardChunkRows, true);
   const ForwardArgs& a = r.args;
   cp.serial = ::kvcomp::detail::cache_slots_alias(bp, cache_geometry(a));
-  const std::size_t bytes = ForwardBuffers(bp.dims, nullptr).size;
+  const std::size_t bytes = ForwardBuffers(bp.dims, epilogue_rows(a, a.cmp_kv, bp.dims), nullptr).size;
   auto ws = workspace(bytes);
   HostExec ex{split, plain};
   return run_forward_chunks(ex, a, bp, cp, cp.batches.data(), cp.block_batch.data(), ws.get());
@@ -149,8 +174,9 @@ Status emulate(BackwardRun& r, const Options& o, i64 split = 0, bool plain = fal
   BlockPlan bp;
   if (auto s = ::kvcomp::detail::validate_backward(r.args, o, &bp); !s.ok()) return s;
   const ChunkPlan cp = make_chunk_plan(bp, kBackwardChunkRows, false);
-  const std::size_t bytes =
-      BackwardBuffers(bp.dims, backward_path(bp.dims, o.precision), cp.max_chunk_blocks, nullptr).size;
+  const std::size_t bytes = BackwardBuffers(bp.dims, backward_path(bp.dims, o.precision), cp.max_chunk_blocks,
+                                            epilogue_rows(r.args, r.args.d_cmp_kv, bp.dims), nullptr)
+                                .size;
   auto ws = workspace(bytes);
   HostExec ex{split, plain};
   return run_backward_chunks(ex, r.args, bp, backward_path(bp.dims, o.precision), cp, cp.batches.data(),
@@ -207,6 +233,90 @@ TEST_P(CudaLogic, PlainKernelProductsMatchTheOracle) {
 
 INSTANTIATE_TEST_SUITE_P(Issue11, CudaLogic, ::testing::ValuesIn(cuda_sweep()),
                          [](const auto& tp) { return tp.param.name; });
+
+// ---- The model-level epilogue and calls without APE (epilogue_check.hpp's cases), against the float64
+// reference.
+
+class CudaLogicEpilogue : public ::testing::TestWithParam<EpilogueCase> {};
+
+TEST_P(CudaLogicEpilogue, ForwardMatchesTheReference) {
+  check_epilogue_forward([](ForwardRun& r, const Options& o) { return emulate(r, o); }, GetParam());
+}
+
+TEST_P(CudaLogicEpilogue, BackwardMatchesTheOracle) {
+  check_epilogue_backward([](ForwardRun& r, const Options& o) { return emulate(r, o); },
+                          [](BackwardRun& r, const Options& o) { return emulate(r, o); }, GetParam());
+}
+
+INSTANTIATE_TEST_SUITE_P(Epilogue, CudaLogicEpilogue, ::testing::ValuesIn(epilogue_cases()),
+                         [](const auto& tp) {
+                           const EpilogueCase& c = tp.param;
+                           return std::string(dtype_name(c.io)) + (c.th ? "_th" : "_bsh") + "_coff" +
+                                  std::to_string(c.coff) + (c.v.norm ? "_norm" : "") + "_rope" +
+                                  std::to_string(2 * c.v.pairs) + (c.with_ape ? "" : "_noape");
+                         });
+
+// The epilogue's formulas are the CPU's, operation for operation, its sums in the CPU's order: on the
+// CPU backend's pooled rows the forward gives its cmp_kv bit for bit; from the CPU forward's outputs
+// the backward gives its d_norm_weight and d_ape bit for bit (the blocks read the same fp32 gradient
+// of the pooled rows).
+TEST(CudaLogicEpilogueBits, TheCpusBits) {
+  for (DType io : {DType::bf16, DType::f16, DType::f32})
+    for (bool th : {false, true}) {
+      SCOPED_TRACE(std::string(dtype_name(io)) + (th ? " TH" : " BSH"));
+      auto rc = make_random_case(th ? chunked_case() : epilogue_case(false), 61);
+      round_io_inputs(rc.in, io);
+      auto cpu = epilogue_backward(rc, io, {true, 8});
+      auto emu = epilogue_backward(rc, io, {true, 8});  // the CPU's forward: the same backward inputs
+      // The forward's epilogue on the CPU's pooled rows.
+      BlockPlan bp;
+      ASSERT_TRUE(::kvcomp::detail::validate_forward(cpu->fwd->args, {}, &bp).ok());
+      const ChunkPlan cp = make_chunk_plan(bp, kForwardChunkRows, true);
+      const ::kvcomp::detail::Dims& d = bp.dims;
+      const i64 rows = epilogue_rows(cpu->fwd->args, cpu->fwd->args.cmp_kv, d);
+      std::vector<float> rstd(static_cast<std::size_t>(rows));
+      Buffer out = Buffer::of(cpu->e.pooled.values(), io);
+      EpilogueKernelArgs e =
+          epilogue_args(cpu->fwd->args.epilogue,
+                        {cp.batches.data(), cp.block_batch.data(), d.B, d.D, d.C, d.r, d.coff, io}, rows);
+      e.cmp_kv = out.data();
+      e.rstd = rstd.data();
+      HostExec ex;
+      ASSERT_TRUE(ex.epilogue_forward(e).ok());
+      EXPECT_EQ(bytes_of(out), bytes_of(cpu->fwd->cmp_kv));
+      ASSERT_TRUE(cpu->bwd->run().ok());
+      ASSERT_TRUE(emulate(*emu->bwd, {}).ok());
+      EXPECT_EQ(bytes_of(emu->e.d_norm_weight), bytes_of(cpu->e.d_norm_weight));
+      EXPECT_EQ(bytes_of(emu->bwd->d_ape), bytes_of(cpu->bwd->d_ape));
+    }
+}
+
+// More output rows than one launch of the d_norm_weight terms (kEpilogueChunkRows): the sum carries
+// over launches in row order, and the backward still meets the oracle.
+TEST(CudaLogicEpilogueBits, NormWeightSumSpansLaunches) {
+  RandomOptions o = chunked_case();
+  o.th = false;  // BSH: 3 * 500 output rows
+  o.B = 3;
+  o.S = 1000;
+  o.r = 2;
+  o.coff = 1;
+  o.D = 8;
+  o.H = 8;
+  o.allow_empty_segments = false;
+  o.random_seqused = false;
+  auto rc = make_random_case(o, 71);
+  ASSERT_GT(out_rows(rc.problem), kEpilogueChunkRows);
+  round_io_inputs(rc.in, DType::f32);
+  auto run = epilogue_backward(rc, DType::f32, {true, 2}, true,
+                               [](ForwardRun& r, const Options& op) { return emulate(r, op); });
+  ASSERT_TRUE(emulate(*run->bwd, {}).ok());
+  ref::ForwardInputs<double> copy = rc.in;
+  const auto fwd = ref::forward<double>(rc.problem, copy);
+  std::vector<double> d_pooled = run->d_out, d_norm;
+  ref::epilogue_backward<double>(rc.problem, run->e.reference(DType::f32), fwd.position,
+                                 run->e.pooled.values(), d_pooled, &d_norm);
+  EXPECT_LE(relative_error(run->e.d_norm_weight.values(), d_norm), 1e-6);
+}
 
 // Tables whose batches share cache blocks take the serial path; its result is the CPU's.
 TEST(CudaLogicCache, SharedBlocksFollowTheSpecOrderLikeTheCpu) {

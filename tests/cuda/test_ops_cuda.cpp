@@ -10,6 +10,7 @@
 
 #include "cuda_sweep.hpp"
 #include "device_mirror.hpp"
+#include "epilogue_check.hpp"
 
 namespace kvcomp::test {
 namespace {
@@ -105,6 +106,56 @@ TEST_P(CudaSweep, Deterministic) {
     EXPECT_EQ(bytes_of(b1.d_wkv), bytes_of(b2.d_wkv));
     EXPECT_EQ(bytes_of(b1.d_wgate), bytes_of(b2.d_wgate));
     EXPECT_EQ(bytes_of(b1.d_ape), bytes_of(b2.d_ape));
+  }
+}
+
+// ---- The model-level epilogue and calls without APE (epilogue_check.hpp's cases), against the float64
+// reference.
+
+class CudaEpilogue : public ::testing::TestWithParam<EpilogueCase> {};
+
+TEST_P(CudaEpilogue, ForwardMatchesTheReference) {
+  KVCOMP_REQUIRE_GPU();
+  check_epilogue_forward([](ForwardRun& r, const Options& o) { return on_gpu(r, o); }, GetParam());
+}
+
+TEST_P(CudaEpilogue, BackwardMatchesTheOracle) {
+  KVCOMP_REQUIRE_GPU();
+  check_epilogue_backward([](ForwardRun& r, const Options& o) { return on_gpu(r, o); },
+                          [](BackwardRun& r, const Options& o) { return on_gpu(r, o); }, GetParam());
+}
+
+INSTANTIATE_TEST_SUITE_P(Epilogue, CudaEpilogue, ::testing::ValuesIn(epilogue_cases()), [](const auto& tp) {
+  const EpilogueCase& c = tp.param;
+  return std::string(dtype_name(c.io)) + (c.th ? "_th" : "_bsh") + "_coff" + std::to_string(c.coff) +
+         (c.v.norm ? "_norm" : "") + "_rope" + std::to_string(2 * c.v.pairs) + (c.with_ape ? "" : "_noape");
+});
+
+// From the CPU forward's outputs, the GPU backward's d_norm_weight and d_ape are the CPU's bit for bit
+// (the same formulas in the same order, no atomics), and both operators give the same bits run to run.
+TEST(CudaEpilogueBits, TheCpusBitsAndDeterministic) {
+  KVCOMP_REQUIRE_GPU();
+  for (DType io : {DType::bf16, DType::f32}) {
+    SCOPED_TRACE(dtype_name(io));
+    auto rc = make_random_case(chunked_case(), 61);
+    round_io_inputs(rc.in, io);
+    auto cpu = epilogue_backward(rc, io, {true, 8});
+    auto gpu1 = epilogue_backward(rc, io, {true, 8});
+    auto gpu2 = epilogue_backward(rc, io, {true, 8});
+    ASSERT_TRUE(cpu->bwd->run().ok());
+    for (auto* g : {gpu1.get(), gpu2.get()}) {
+      const Status s = on_gpu(*g->bwd, {});
+      ASSERT_TRUE(s.ok()) << s.message;
+      EXPECT_EQ(bytes_of(g->e.d_norm_weight), bytes_of(cpu->e.d_norm_weight));
+      EXPECT_EQ(bytes_of(g->bwd->d_ape), bytes_of(cpu->bwd->d_ape));
+    }
+    EXPECT_EQ(bytes_of(gpu1->bwd->d_x), bytes_of(gpu2->bwd->d_x));
+    EXPECT_EQ(bytes_of(gpu1->bwd->d_wkv), bytes_of(gpu2->bwd->d_wkv));
+    const ForwardRunner gpu_fwd = [](ForwardRun& r, const Options& o) { return on_gpu(r, o); };
+    auto f1 = epilogue_backward(rc, io, {true, 8}, false, gpu_fwd);
+    auto f2 = epilogue_backward(rc, io, {true, 8}, false, gpu_fwd);
+    EXPECT_EQ(bytes_of(f1->fwd->cmp_kv), bytes_of(f2->fwd->cmp_kv));
+    EXPECT_EQ(bytes_of(f1->e.pooled), bytes_of(f2->e.pooled));
   }
 }
 
