@@ -203,7 +203,7 @@ struct Matmul {
     const dnnl::memory::desc bd({K, N}, dt, b_t ? tag::ba : tag::ab);
     const dnnl::memory::desc cd({M, N}, dnnl::memory::data_type::f32, tag::ab);
     const dnnl::memory::desc bd_prim = pack_b ? dnnl::memory::desc({K, N}, dt, tag::any) : bd;
-    const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(ad, bd_prim, cd), eng);
+    const dnnl::matmul::primitive_desc pd(eng, ad, bd_prim, cd);
     prim = dnnl::matmul(pd);
     a = dnnl::memory(ad, eng);
     c = dnnl::memory(cd, eng);

@@ -14,7 +14,10 @@ one. This check lists every file the build actually uses that belongs to a Debia
 and requires the Debian package owning each development file among them (headers, CMake and pkg-config
 files, static libraries, libX.so links) to be a listed one, a package those depend on (recursively), or a
 package every Debian system has (priority required). Files of no Debian package (pip's torch, pyenv's
-Python, the project itself) are not its business.
+Python, the project itself) are not its business, with one exception: oneDNN is no Debian package of the
+set-up but PyPI's (onednn-devel-cpu-gomp, onednn-cpu-gomp; scripts/install-onednn.sh unpacks them into a
+prefix), so every oneDNN file the build uses (headers, CMake package, libdnnl) must lie in that prefix,
+and at least one must be seen there (a check that sees none is blind).
 
 Usage: check_deps.py BUILD_DIR [--without PKG ...] [--self-check PKG] [-- cmake arguments of the configure]
 (--without PKG: check as if PKG were not listed; --self-check PKG: also require that PKG off the list is
@@ -75,6 +78,7 @@ def allowed_packages(listed):
     return allowed
 
 
+CONFIG_FILE = re.compile(r"(-config|Config)(-?[Vv]ersion)?\.cmake$")
 PATH_IN_CALL = re.compile(r'^(?:\[pid\s+\d+\]\s+|\d+\s+)?(\w+)\((?:AT_FDCWD|\d+)?,?\s*"([^"]+)"')
 
 
@@ -90,7 +94,7 @@ def configure_files(cmake_args):
              "cmake", "-S", ROOT, "-B", os.path.join(tmp, "build"), "-G", "Ninja"] + cmake_args,
             check=True, stdout=subprocess.DEVNULL,
         )
-        files = set()
+        files, opened = set(), set()
         with open(log, errors="replace") as f:
             for line in f:
                 if " = -1 " in line or "<unfinished" in line:
@@ -98,7 +102,15 @@ def configure_files(cmake_args):
                 m = PATH_IN_CALL.match(line)
                 if m:
                     files.add(m.group(2))
-        return files
+                    if m.group(1) in ("open", "openat"):
+                        opened.add(os.path.normpath(m.group(2)))
+        # find_package looks at the config file and reads the version file of every candidate it meets
+        # (Debian's oneDNN 2.6, for one, where oneDNN >= 3.2 is asked for); a package is used only when
+        # its config file is read.
+        def probe_only(p):
+            m = CONFIG_FILE.search(p)
+            return m is not None and os.path.normpath(p[: m.start()] + m.group(1) + ".cmake") not in opened
+        return {p for p in files if not probe_only(p)}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -152,6 +164,25 @@ def owners(paths):
     return found
 
 
+ONEDNN_FILE = re.compile(r"(/oneapi/dnnl/|/dnnl[^/]*\.h(pp)?$|/cmake/dnnl/|/libdnnl\.so)")
+
+
+def onednn_prefix():
+    """The prefix scripts/install-onednn.sh fills (it prints it; the install is skipped when complete)."""
+    out = run(["bash", os.path.join(HERE, "install-onednn.sh")])
+    return os.path.realpath(out.strip().splitlines()[-1])
+
+
+def onednn_files(paths, prefix):
+    """The oneDNN files among `paths`: (those in the PyPI prefix, those elsewhere)."""
+    inside, outside = set(), set()
+    for p in paths:
+        if not os.path.isabs(p) or not os.path.isfile(p) or not ONEDNN_FILE.search(p):
+            continue
+        (inside if os.path.realpath(p).startswith(prefix + os.sep) else outside).add(p)
+    return inside, outside
+
+
 def foreign_packages(used, listed):
     """The packages among `used` that neither the list nor every Debian system provides."""
     allowed = allowed_packages(listed)
@@ -173,8 +204,17 @@ def main():
         if shutil.which(tool) is None:
             sys.exit(f"[kvcomp] check-deps: {tool} not found (scripts/install-deps.sh installs what it needs)")
     listed = [p for p in listed_packages() if p not in args.without]
-    used = owners(configure_files(args.cmake_args) | build_files(args.build_dir))
+    seen = configure_files(args.cmake_args) | build_files(args.build_dir)
+    used = owners(seen)
     foreign = foreign_packages(used, listed)
+    prefix = onednn_prefix()
+    pypi, elsewhere = onednn_files(seen, prefix)
+    if elsewhere or not pypi:
+        print(f"[kvcomp] check-deps: oneDNN must come from PyPI's wheels in {prefix} (scripts/install-onednn.sh); "
+              f"the build used {len(pypi)} oneDNN files there and these elsewhere: {sorted(elsewhere)[:5]}",
+              file=sys.stderr)
+        return 1
+    print(f"[kvcomp] check-deps: {len(pypi)} oneDNN files, all from PyPI's wheels (scripts/install-onednn.sh)")
     print(f"[kvcomp] check-deps: the build uses development files of {len(used)} Debian packages")
     if foreign:
         print("[kvcomp] check-deps: the build relies on Debian packages that scripts/install-deps.sh does not "

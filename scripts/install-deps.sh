@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what kvcomp needs to build and test on Debian 12 (as root, or with sudo available): the
-# packages named in scripts/debian-packages.txt, plus cmake when no cmake is on PATH. Skips the
-# package manager when everything is present.
+# packages named in scripts/debian-packages.txt, plus cmake when no cmake is on PATH, then oneDNN from
+# PyPI (scripts/install-onednn.sh, into a prefix under ~/.cache). Skips what is present.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,3 +21,5 @@ if ((${#missing[@]})); then
   "${sudo_cmd[@]}" apt-get update -qq
   "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
+
+bash scripts/install-onednn.sh >/dev/null

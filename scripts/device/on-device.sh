@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine from the project root: unpack the Debian packages that
-# scripts/device/prepare.sh put in .device/debs, configure with the CUDA backend required, build
+# Runs on the GPU machine from the project root: unpack the Debian packages and oneDNN wheels that
+# scripts/device/prepare.sh put in .device/debs and .device/wheels, configure with the CUDA backend required, build
 # (incrementally: build-gpu stays while the machine is warm), then run ctest so that its summary is
 # printed before a deadline. scripts/device/gpu-session.sh calls it once per phase.
 #
@@ -30,16 +30,30 @@ prefix=$here/prefix
 mkdir -p "$prefix"
 if [[ ! -e $prefix/.unpacked ]]; then
   for f in "$here"/debs/*.deb; do dpkg -x "$f" "$prefix"; done
+  # PyPI's oneDNN wheels: their <name>.data/data/ tree (include/, lib/) into $prefix/onednn.
+  python3 - "$prefix/onednn" "$here"/wheels/*.whl <<'PY'
+import os, shutil, sys, zipfile
+dest = sys.argv[1]
+for wheel in sys.argv[2:]:
+    with zipfile.ZipFile(wheel) as z:
+        for name in z.namelist():
+            parts = name.split("/")
+            if len(parts) > 2 and parts[0].endswith(".data") and parts[1] == "data" and parts[-1]:
+                out = os.path.join(dest, *parts[2:])
+                os.makedirs(os.path.dirname(out), exist_ok=True)
+                with z.open(name) as src, open(out, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+PY
   touch "$prefix/.unpacked"
 fi
-export LD_LIBRARY_PATH=$prefix/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export LD_LIBRARY_PATH=$prefix/usr/lib/x86_64-linux-gnu:$prefix/onednn/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 out=${LOG_DIR:-${OUT:-build-gpu/logs}}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader
 # Configured every time (seconds when nothing changed), so that a build-gpu left by an older script
 # with KVCOMP_CUDA=AUTO is turned into one that requires the backend.
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVCOMP_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real \
-  -DCMAKE_PREFIX_PATH="$prefix/usr" >"$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
+  -DCMAKE_PREFIX_PATH="$prefix/usr;$prefix/onednn" >"$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
 grep -h "kvcomp: CUDA backend" "$out/configure.log" | tail -1
 cmake --build build-gpu --parallel "$(nproc)" >"$out/build.log" 2>&1 ||
   { grep -m20 -E "error|FAILED" "$out/build.log"; exit 1; }

@@ -61,7 +61,7 @@ void onednn_rows(i64 rows, i64 n, i64 k, const std::uint16_t* a, i64 lda, const 
       cd({rows, n}, dt::f32, dims{ldc, 1});
   dnnl::matmul::primitive_desc pd;
   try {
-    pd = dnnl::matmul::primitive_desc(dnnl::matmul::desc(ad, bd, cd), eng);
+    pd = dnnl::matmul::primitive_desc(eng, ad, bd, cd);
   } catch (const dnnl::error&) {
     impl = "none";
     return;

@@ -14,7 +14,9 @@ Two ways to provide torch, numpy and pytest in the venv:
     build is then made without isolation from its scikit-build-core and nanobind, so no network is
     needed;
   * ``--deps "torch==2.11.0 numpy==2.5.2 ..."`` (scripts/test-python312.sh): pip-installed into the
-    clean venv, and the build runs in pip's isolated build environment. With ``--keep-venv DIR`` that
+    clean venv, and the build runs in pip's isolated build environment, with oneDNN from PyPI (the
+    build requirement onednn-devel-cpu-gomp, the dependency onednn-cpu-gomp): the libdnnl.so.3 the
+    import loads must be the venv's. With ``--keep-venv DIR`` that
     venv is made once and reused by later runs (installing torch took about 110 s of each run): kvcomp
     is still installed, tested and uninstalled in it each time, and must leave nothing behind.
 
@@ -62,19 +64,26 @@ def installed_files(py, env):
     return [l for l in out.splitlines() if l]
 
 
-def check_import(py, env, pkg_under, ext_under):
+def check_import(py, env, pkg_under, ext_under, onednn_under=None):
     """Imports kvcomp.torch from a neutral folder; the package and its extension must come from where
-    the install put them."""
+    the install put them, and (onednn_under) the libdnnl.so.3 the process loaded from that folder."""
     code = (
         "import os, kvcomp, kvcomp.torch, kvcomp._C as c\n"
         "print(os.path.realpath(kvcomp.__file__)); print(os.path.realpath(c.__file__))\n"
         "print(kvcomp.__version__)\n"
+        "maps = open('/proc/self/maps').read().split()\n"
+        "print(next((os.path.realpath(w) for w in maps if '/libdnnl.so' in w), 'none'))\n"
     )
+    env = dict(env)
+    env.pop("LD_LIBRARY_PATH", None)  # libkvcomp's RUNPATH must find oneDNN
     out = subprocess.run([py, "-c", code], env=env, check=True, text=True, stdout=subprocess.PIPE,
                          cwd=tempfile.gettempdir()).stdout.split()
-    pkg, ext, version = out
-    log(f"kvcomp {version}: package {pkg}, extension {ext}")
-    for what, path, under in (("kvcomp", pkg, pkg_under), ("kvcomp._C", ext, ext_under)):
+    pkg, ext, version, dnnl = out
+    log(f"kvcomp {version}: package {pkg}, extension {ext}, oneDNN {dnnl}")
+    checks = [("kvcomp", pkg, pkg_under), ("kvcomp._C", ext, ext_under)]
+    if onednn_under:
+        checks.append(("libdnnl.so.3", dnnl, onednn_under))
+    for what, path, under in checks:
         if not path.startswith(os.path.realpath(under) + os.sep):
             raise SystemExit(f"{what} was imported from {path}, expected under {under}")
 
@@ -133,6 +142,9 @@ def one_mode(args, editable, work):
     install = [py, "-m", "pip", "install", "--quiet"]
     if args.system_site_packages:
         install.append("--no-build-isolation")  # scikit-build-core and nanobind of the base interpreter
+        # No download: numpy is the base interpreter's, and oneDNN is the one this build's CMake finds
+        # (CMAKE_PREFIX_PATH of the ctest entry), whose folder libkvcomp's RUNPATH then names.
+        install.append("--no-deps")
         # Both modes compile the same CMake project with the same settings: the second install
         # reuses the first's build folder (the compile took about 45 s of each on 2 cores), while
         # what differs, how the result is installed and found, is still checked for each.
@@ -143,7 +155,9 @@ def one_mode(args, editable, work):
     if not files:
         raise SystemExit("pip reports no file of kvcomp after the install")
     # An editable install keeps the compiled part in the venv; its Python modules come from the source.
-    check_import(py, env, os.path.join(ROOT, "python") if editable else site, site)
+    # Without --system-site-packages, oneDNN is PyPI's onednn-cpu-gomp, a dependency installed in the venv.
+    check_import(py, env, os.path.join(ROOT, "python") if editable else site, site,
+                 None if args.system_site_packages else os.path.dirname(os.path.dirname(py)))
 
     tests = [os.path.join(TESTS, t) for t in (args.tests_editable if editable else args.tests)]
     if tests:

@@ -75,7 +75,7 @@ TilePrimitive* tile_primitive(bool packed, const Bf16Shape& s, bool accumulate, 
       return attr;
     };
     auto make = [&](const dnnl::memory::desc& b, bool sum) {
-      return dnnl::matmul::primitive_desc(dnnl::matmul::desc(a, b, c), attr_of(sum), bf16_engine());
+      return dnnl::matmul::primitive_desc(bf16_engine(), a, b, c, attr_of(sum));
     };
     const dnnl::memory::desc any({s.K, cols}, dt::bf16, dnnl::memory::format_tag::any);
     bool in_place = false;
