@@ -78,6 +78,7 @@ def allowed_packages(listed):
     return allowed
 
 
+LIBRARY = re.compile(r"\.(so(\.\d+)*|a)$")
 CONFIG_FILE = re.compile(r"(-config|Config)(-?[Vv]ersion)?\.cmake$")
 PATH_IN_CALL = re.compile(r'^(?:\[pid\s+\d+\]\s+|\d+\s+)?(\w+)\((?:AT_FDCWD|\d+)?,?\s*"([^"]+)"')
 
@@ -107,9 +108,13 @@ def configure_files(cmake_args):
         # find_package looks at the config file and reads the version file of every candidate it meets
         # (Debian's oneDNN 2.6, for one, where oneDNN >= 3.2 is asked for); a package is used only when
         # its config file is read.
+        # find_library, likewise, looks at every candidate (CMake's CUDA module at libOpenCL.so, for
+        # one); a library is used when the build links it, which build_files sees on the link lines.
         def probe_only(p):
             m = CONFIG_FILE.search(p)
-            return m is not None and os.path.normpath(p[: m.start()] + m.group(1) + ".cmake") not in opened
+            if m is not None:
+                return os.path.normpath(p[: m.start()] + m.group(1) + ".cmake") not in opened
+            return LIBRARY.search(p) is not None and os.path.normpath(p) not in opened
         return {p for p in files if not probe_only(p)}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
