@@ -60,21 +60,6 @@ double inverse_rms(const void* row, DType io, std::int64_t D, float eps) {
 
 }  // namespace
 
-EpilogueView epilogue_view(const Epilogue& e) {
-  EpilogueView v;
-  if (e.norm_weight) {
-    v.norm_weight = e.norm_weight->data;
-    v.norm_dtype = e.norm_weight->dtype;
-    v.eps = e.norm_eps;
-  }
-  if (e.rope_cos && e.rope_sin) {
-    v.cos = static_cast<const float*>(e.rope_cos->data);
-    v.sin = static_cast<const float*>(e.rope_sin->data);
-    v.pairs = e.rope_cos->dim(1);
-  }
-  return v;
-}
-
 std::size_t epilogue_backward_bytes(std::int64_t rows, std::int64_t D) {
   const std::size_t bytes = static_cast<std::size_t>(rows) * sizeof(float) +  // the rows' fp32 rstd
                             static_cast<std::size_t>(D) * sizeof(double);     // d_norm_weight's sums

@@ -9,21 +9,11 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/epilogue_view.hpp"
 #include "kvcomp/kvcomp.hpp"
 #include "plan/block_plan.hpp"
 
 namespace kvcomp::detail {
-
-struct EpilogueView {
-  const void* norm_weight = nullptr;  // [D], norm_dtype; null: no RMSNorm
-  DType norm_dtype = DType::f32;
-  float eps = 0.0f;
-  const float* cos = nullptr;  // [positions, pairs]; null: no RoPE
-  const float* sin = nullptr;
-  std::int64_t pairs = 0;  // rd / 2
-  bool any() const { return norm_weight || cos; }
-};
-EpilogueView epilogue_view(const Epilogue& e);
 
 // Workspace bytes of epilogue_backward for `rows` output rows of D columns (a multiple of 64).
 std::size_t epilogue_backward_bytes(std::int64_t rows, std::int64_t D);

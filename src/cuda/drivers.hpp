@@ -64,16 +64,7 @@ inline EpilogueKernelArgs epilogue_args(const Epilogue& e, const Geometry& g, st
   EpilogueKernelArgs k;
   k.g = g;
   k.rows = rows;
-  if (e.norm_weight) {
-    k.norm_weight = e.norm_weight->data;
-    k.norm_dtype = e.norm_weight->dtype;
-    k.eps = e.norm_eps;
-  }
-  if (e.rope_cos && e.rope_sin) {
-    k.cos = static_cast<const float*>(e.rope_cos->data);
-    k.sin = static_cast<const float*>(e.rope_sin->data);
-    k.pairs = e.rope_cos->dim(1);
-  }
+  k.ep = epilogue_view(e);
   return k;
 }
 

@@ -62,10 +62,10 @@ KVCOMP_HD void copy_io(const void* src, void* dst, i64 i, DType io) {
 
 // Forward, output row `row`: its fp32 rstd (RMSNorm on, the row holds a block).
 KVCOMP_HD void epilogue_forward_stats(const EpilogueKernelArgs& e, i64 row) {
-  if (row >= e.rows || !e.norm_weight) return;
+  if (row >= e.rows || !e.ep.norm_weight) return;
   if (row_position(e.g, row) < 0) return;
   const void* out = static_cast<const unsigned char*>(e.cmp_kv) + row * e.g.D * io_bytes(e.g.io);
-  e.rstd[row] = static_cast<float>(inverse_rms(out, e.g.io, e.g.D, e.eps));
+  e.rstd[row] = static_cast<float>(inverse_rms(out, e.g.io, e.g.D, e.ep.eps));
 }
 
 // Forward, output row `row`, column d: the thread of a rotated pair's even column does both columns
@@ -73,8 +73,8 @@ KVCOMP_HD void epilogue_forward_stats(const EpilogueKernelArgs& e, i64 row) {
 KVCOMP_HD void epilogue_forward_element(const EpilogueKernelArgs& e, i64 row, i64 d) {
   const Geometry& g = e.g;
   if (row >= e.rows || d >= g.D) return;
-  const i64 rope_from = g.D - 2 * e.pairs;
-  const bool rotated = e.cos && d >= rope_from;
+  const i64 rope_from = g.D - 2 * e.ep.pairs;
+  const bool rotated = e.ep.cos && d >= rope_from;
   if (rotated && (d - rope_from) % 2 == 1) return;
   const i64 n = rotated ? 2 : 1;
   const i64 at = row * g.D + d;
@@ -83,21 +83,21 @@ KVCOMP_HD void epilogue_forward_element(const EpilogueKernelArgs& e, i64 row, i6
   const i64 pos = row_position(g, row);
   if (pos < 0) return;
   float y[2] = {load_io(e.cmp_kv, at, g.io), rotated ? load_io(e.cmp_kv, at + 1, g.io) : 0.0f};
-  if (e.norm_weight) {
+  if (e.ep.norm_weight) {
     // The model's RMSNorm: x_hat = p * rstd in fp32, (weight * x_hat) rounded to the io dtype.
     const float rstd = e.rstd[row];
     for (i64 j = 0; j < n; ++j) {
       const float x_hat = y[j] * rstd;
-      y[j] = round_to(load_io(e.norm_weight, d + j, e.norm_dtype) * x_hat, g.io);
+      y[j] = round_to(load_io(e.ep.norm_weight, d + j, e.ep.norm_dtype) * x_hat, g.io);
     }
   }
   if (!rotated) {
-    if (e.norm_weight) store_io(e.cmp_kv, at, g.io, y[0]);
+    if (e.ep.norm_weight) store_io(e.cmp_kv, at, g.io, y[0]);
     return;
   }
   // The rotation of the pair in fp32, on the rounded values, rounded again.
   const i64 pair = (d - rope_from) / 2;
-  const float c = e.cos[pos * e.pairs + pair], s = e.sin[pos * e.pairs + pair];
+  const float c = e.ep.cos[pos * e.ep.pairs + pair], s = e.ep.sin[pos * e.ep.pairs + pair];
   const float a = y[0], b = y[1];
   const float ac = a * c, bs = b * s, as = a * s, bc = b * c;
   store_io(e.cmp_kv, at, g.io, ac - bs);
@@ -108,10 +108,10 @@ KVCOMP_HD void epilogue_forward_element(const EpilogueKernelArgs& e, i64 row, i6
 // row is dz: the inverse rotation of dz, in float64.
 KVCOMP_HD double epilogue_dy(const EpilogueKernelArgs& e, const void* dz, i64 pos, i64 i) {
   const DType io = e.g.io;
-  const i64 rope_from = e.g.D - 2 * e.pairs;
-  if (!e.cos || i < rope_from) return load_io(dz, i, io);
+  const i64 rope_from = e.g.D - 2 * e.ep.pairs;
+  if (!e.ep.cos || i < rope_from) return load_io(dz, i, io);
   const i64 p = (i - rope_from) / 2;
-  const double c = e.cos[pos * e.pairs + p], s = e.sin[pos * e.pairs + p];
+  const double c = e.ep.cos[pos * e.ep.pairs + p], s = e.ep.sin[pos * e.ep.pairs + p];
   const i64 even = rope_from + 2 * p;
   const double ga = load_io(dz, even, io), gb = load_io(dz, even + 1, io);
   return i == even ? ga * c + gb * s : gb * c - ga * s;
@@ -120,7 +120,7 @@ KVCOMP_HD double epilogue_dy(const EpilogueKernelArgs& e, const void* dz, i64 po
 // Backward, output row `row` (RMSNorm on): stats[2 row] = rstd of the pooled row (float64),
 // stats[2 row + 1] = mean over D of w dy x_hat; zeros in a row without a block.
 KVCOMP_HD void epilogue_backward_stats(const EpilogueKernelArgs& e, i64 row) {
-  if (row >= e.rows || !e.norm_weight) return;
+  if (row >= e.rows || !e.ep.norm_weight) return;
   const Geometry& g = e.g;
   const i64 pos = row_position(g, row);
   if (pos < 0) {
@@ -131,10 +131,11 @@ KVCOMP_HD void epilogue_backward_stats(const EpilogueKernelArgs& e, i64 row) {
   const i64 io_size = io_bytes(g.io);
   const void* dz = static_cast<const unsigned char*>(e.d_cmp_kv) + row * g.D * io_size;
   const void* p = static_cast<const unsigned char*>(e.pooled_in) + row * g.D * io_size;
-  const double rstd = inverse_rms(p, g.io, g.D, e.eps);
+  const double rstd = inverse_rms(p, g.io, g.D, e.ep.eps);
   double m = 0.0;
   for (i64 i = 0; i < g.D; ++i)
-    m += epilogue_dy(e, dz, pos, i) * load_io(e.norm_weight, i, e.norm_dtype) * (load_io(p, i, g.io) * rstd);
+    m += epilogue_dy(e, dz, pos, i) * load_io(e.ep.norm_weight, i, e.ep.norm_dtype) *
+         (load_io(p, i, g.io) * rstd);
   m /= static_cast<double>(g.D);
   e.stats[2 * row] = rstd;
   e.stats[2 * row + 1] = m;
@@ -153,7 +154,7 @@ KVCOMP_HD void epilogue_backward_element(const EpilogueKernelArgs& e, i64 row, i
   }
   const i64 io_size = io_bytes(g.io);
   const void* dz = static_cast<const unsigned char*>(e.d_cmp_kv) + row * g.D * io_size;
-  if (!e.norm_weight) {
+  if (!e.ep.norm_weight) {
     *out = static_cast<float>(epilogue_dy(e, dz, pos, i));
     return;
   }
@@ -161,7 +162,7 @@ KVCOMP_HD void epilogue_backward_element(const EpilogueKernelArgs& e, i64 row, i
   const double rstd = e.stats[2 * row], m = e.stats[2 * row + 1];
   const double x_hat = load_io(p, i, g.io) * rstd;
   *out = static_cast<float>(
-      rstd * (epilogue_dy(e, dz, pos, i) * load_io(e.norm_weight, i, e.norm_dtype) - x_hat * m));
+      rstd * (epilogue_dy(e, dz, pos, i) * load_io(e.ep.norm_weight, i, e.ep.norm_dtype) - x_hat * m));
 }
 
 // Row `row` (of the rows from row_lo), column i: its term of d_norm_weight[i], dy times the forward's

@@ -175,7 +175,7 @@ Status launch_f64_to_f32(const double* src, float* dst, std::int64_t n, cudaStre
 
 Status launch_epilogue_forward(const EpilogueKernelArgs& e, cudaStream_t s) {
   if (e.rows == 0 || e.g.D == 0) return Status::success();
-  if (e.norm_weight)
+  if (e.ep.norm_weight)
     if (auto st = launch("the epilogue's row statistics kernel launch", epilogue_forward_stats_kernel,
                          blocks_for(e.rows), s, e);
         !st.ok())
@@ -186,7 +186,7 @@ Status launch_epilogue_forward(const EpilogueKernelArgs& e, cudaStream_t s) {
 
 Status launch_epilogue_backward(const EpilogueKernelArgs& e, cudaStream_t s) {
   if (e.rows == 0 || e.g.D == 0) return Status::success();
-  if (e.norm_weight)
+  if (e.ep.norm_weight)
     if (auto st = launch("the epilogue's row statistics kernel launch", epilogue_backward_stats_kernel,
                          blocks_for(e.rows), s, e);
         !st.ok())

@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "common/backward_path.hpp"
+#include "common/epilogue_view.hpp"
 #include "cuda/chunk_plan.hpp"
 #include "cuda/gemm.hpp"
 
@@ -105,14 +106,9 @@ Status launch_f64_to_f32(const double* src, float* dst, std::int64_t n, cudaStre
 // The model-level epilogue (kvcomp.hpp's Epilogue) over the output rows: per row, one thread for the
 // row's statistics (a sum over D in column order), then one thread per column (or per rotated pair).
 struct EpilogueKernelArgs {
-  Geometry g;                         // the batches (out_row, nblocks, k0), D, r, io
-  std::int64_t rows = 0;              // output rows
-  const void* norm_weight = nullptr;  // [D], norm_dtype; null: no RMSNorm
-  DType norm_dtype = DType::f32;
-  float eps = 0.0f;
-  const float* cos = nullptr;  // [positions, pairs]; null: no RoPE
-  const float* sin = nullptr;
-  std::int64_t pairs = 0;  // rd / 2
+  Geometry g;             // the batches (out_row, nblocks, k0), D, r, io
+  std::int64_t rows = 0;  // output rows
+  EpilogueView ep;        // norm weight, eps, rope tables (shared with the CPU backend)
   // Forward: cmp_kv's rows in place; pooled (when not null) gets them first; rstd [rows] scratch.
   void* cmp_kv = nullptr;
   void* pooled = nullptr;
