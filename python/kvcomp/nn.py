@@ -184,6 +184,33 @@ def _scratch_state(x, cu_seqlens, ratio, width):
     return cache, table
 
 
+def _complete_rows(x, rows, cu_seqlens, ratio):
+    """The operator's output ``rows`` cut to the complete blocks' rows: BSH ``[B, S // ratio, D]``; TH
+    the sequences' rows in order (a sequence of L tokens has L // ratio of them), the zero rows after
+    them dropped."""
+    if x.dim() == 3:
+        return rows[:, : x.shape[1] // ratio]
+    return rows[: int(((cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64) // ratio).sum())]
+
+
+def _prefill_table(x, ratio, coff, keep):
+    """The paged block table of a prefill of BSH ``x`` into a decode state whose batch slot b owns
+    blocks ``1 + b*coff + j`` (j < coff): the positions from ``keep`` on (what later decode calls read)
+    go to the slot's blocks, the others to block 0 (not written)."""
+    bsz, seqlen = x.shape[0], x.shape[1]
+    col = torch.arange(-(-seqlen // ratio), dtype=torch.int32, device=x.device)
+    slot = torch.arange(bsz, dtype=torch.int32, device=x.device)[:, None]
+    return torch.where(col * ratio >= keep, 1 + slot * coff + col % coff, torch.zeros_like(col)).to(torch.int32)
+
+
+def _decode_indices(x, start_pos):
+    """start_pos and the ring block table of a one-token decode step of BSH ``x``, batch row b in
+    batch slot b: int32 ``[bsz]`` each."""
+    bsz = x.shape[0]
+    pos = torch.full((bsz,), start_pos, dtype=torch.int32, device=x.device)
+    return pos, torch.arange(bsz, dtype=torch.int32, device=x.device)
+
+
 class _NormWeight(torch.nn.Module):
     """Holds RMSNorm's weight as ``norm.weight`` (the model's state_dict key), fp32, initialised to one."""
 
@@ -265,15 +292,7 @@ class DeepseekV41Compressor(torch.nn.Module):
         rows = _kt.model_compressor(x, wkv, wgate, None, r, state_cache=cache, state_block_table=table,
                                     cu_seqlens=cu_seqlens, norm_weight=self.norm.weight if norm else None,
                                     norm_eps=self.norm.eps)
-        return self._complete_rows(x, rows, cu_seqlens)
-
-    def _complete_rows(self, x, rows, cu_seqlens):
-        r = self.ratio
-        if x.dim() == 3:
-            return rows[:, : x.shape[1] // r]
-        # TH: the sequences' rows in order, then zero rows; a sequence of L tokens has L // r of them.
-        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
-        return rows[: int((lens // r).sum())]
+        return _complete_rows(x, rows, cu_seqlens, r)
 
     def forward(self, x, cu_seqlens=None, *, start_pos=None):
         """The compressed rows of ``x`` (BSH ``[B, S, H]``, or TH ``[T, H]`` with ``cu_seqlens``), normed,
@@ -308,18 +327,14 @@ class DeepseekV41Compressor(torch.nn.Module):
         wkv, wgate = self._gate(x)
         common = dict(norm_weight=self.norm.weight, norm_eps=self.norm.eps)
         if start_pos == 0:
-            # Paged view: the open group's positions (from cutoff on) go to slot b's block, the rest to
-            # block 0 (not written).
+            # Paged view: the open group's positions (from cutoff on) go to slot b's block.
             cutoff = seqlen - seqlen % r
-            col = torch.arange(-(-seqlen // r), dtype=torch.int32, device=x.device)
-            slot = torch.arange(bsz, dtype=torch.int32, device=x.device)[:, None]
-            table = torch.where(col * r >= cutoff, 1 + slot, torch.zeros_like(col)).to(torch.int32)
+            table = _prefill_table(x, r, 1, cutoff)
             rows = _kt.model_compressor(x, wkv, wgate, None, r, state_cache=self.state_cache,
                                         state_block_table=table, **common)
             return rows[:, : cutoff // r]
         ring = self.state_cache[1:].view(self.max_batch_size, r, 2 * d)
-        pos = torch.full((bsz,), start_pos, dtype=torch.int32, device=x.device)
-        table = torch.arange(bsz, dtype=torch.int32, device=x.device)
+        pos, table = _decode_indices(x, start_pos)
         rows = _kt.model_compressor(x, wkv, wgate, None, r, state_cache=ring, state_block_table=table, start_pos=pos,
                                     cache_mode=2, **common)
         return rows if (start_pos + 1) % r == 0 else None
@@ -505,10 +520,7 @@ class DeepseekV4Compressor(torch.nn.Module):
         # Later decode calls read positions from `keep` on: the tail and, with coff 2, the last
         # complete block; those are written (paged view), the rest goes to block 0 (not written).
         keep = max(0, cutoff - (coff - 1) * r)
-        col = torch.arange(-(-seqlen // r), dtype=torch.int32, device=x.device)
-        slot = torch.arange(bsz, dtype=torch.int32, device=x.device)[:, None]
-        table = torch.where(col * r >= keep, 1 + slot * coff + col % coff, torch.zeros_like(col))
-        rows = self._rows(x, self.state_cache, table.to(torch.int32))
+        rows = self._rows(x, self.state_cache, _prefill_table(x, r, coff, keep))
         if cutoff == 0:
             return None
         out = rows[:, : cutoff // r]
@@ -520,8 +532,7 @@ class DeepseekV4Compressor(torch.nn.Module):
     def _decode(self, x, start_pos):
         bsz = x.shape[0]
         r = self.compress_ratio
-        pos = torch.full((bsz,), start_pos, dtype=torch.int32, device=x.device)
-        table = torch.arange(bsz, dtype=torch.int32, device=x.device)
+        pos, table = _decode_indices(x, start_pos)
         out = self._rows(x, self._ring_state(), table, start_pos=pos, cache_mode=2)
         if (start_pos + 1) % r:
             return None
@@ -553,8 +564,5 @@ class DeepseekV4Compressor(torch.nn.Module):
         if x.dim() == 2 and cu_seqlens is None:
             raise KvcompError(NULL_POINTER, "[kvcomp] cu_seqlens (= None) must be given with TH x [T, dim]")
         cache, table = _scratch_state(x, cu_seqlens if x.dim() == 2 else None, r, 2 * self.coff * self.head_dim)
-        if x.dim() == 3:
-            return self._rows(x, cache, table)[:, : x.shape[1] // r]
-        rows = self._rows(x, cache, table, cu_seqlens=cu_seqlens)
-        # The sequences' rows in order, then zero rows; a sequence of L tokens has L // r of them.
-        return rows[: int(((cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64) // r).sum())]
+        rows = self._rows(x, cache, table, cu_seqlens=cu_seqlens if x.dim() == 2 else None)
+        return _complete_rows(x, rows, cu_seqlens, r)
