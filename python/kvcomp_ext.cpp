@@ -210,14 +210,15 @@ kvcomp::Epilogue epilogue(const std::optional<InArray>& norm_weight, float norm_
   return e;
 }
 
-void forward(const InArray& x, const InArray& wkv, const InArray& wgate, const OutArray& state_cache,
-             const std::optional<InArray>& ape, const std::optional<InArray>& state_block_table,
-             const std::optional<InArray>& cu_seqlens, const std::optional<InArray>& seqused,
-             const std::optional<InArray>& start_pos, std::int64_t cmp_ratio, std::int64_t coff,
-             std::int64_t cache_mode, const OutArray& cmp_kv, const std::optional<OutArray>& softmax_score,
-             const std::optional<OutArray>& kv, const std::string& profile, const std::string& precision,
-             int num_threads, std::uintptr_t stream, const std::optional<InArray>& prepared_weights,
-             bool row_stable, const std::optional<InArray>& norm_weight, float norm_eps,
+void forward(const InArray& x, const InArray& wkv, const std::optional<InArray>& wgate,
+             const OutArray& state_cache, const std::optional<InArray>& ape,
+             const std::optional<InArray>& state_block_table, const std::optional<InArray>& cu_seqlens,
+             const std::optional<InArray>& seqused, const std::optional<InArray>& start_pos,
+             std::int64_t cmp_ratio, std::int64_t coff, std::int64_t cache_mode, const OutArray& cmp_kv,
+             const std::optional<OutArray>& softmax_score, const std::optional<OutArray>& kv,
+             const std::string& profile, const std::string& precision, int num_threads, std::uintptr_t stream,
+             const std::optional<InArray>& prepared_weights, bool row_stable,
+             const std::optional<InArray>& norm_weight, float norm_eps,
              const std::optional<InArray>& rope_cos, const std::optional<InArray>& rope_sin,
              const std::optional<OutArray>& pooled) {
   const kvcomp::Options options = make_options(profile, precision, num_threads, stream, row_stable);
@@ -226,7 +227,7 @@ void forward(const InArray& x, const InArray& wkv, const InArray& wgate, const O
     std::tie(a.prepared_weights, a.prepared_weights_bytes) = blob_view(*prepared_weights, "prepared_weights");
   a.x = view(x, "x");
   a.wkv = view(wkv, "wkv");
-  a.wgate = view(wgate, "wgate");
+  if (wgate) a.wgate = view(*wgate, "wgate");  // None: no gate projection (cmp_ratio 1, coff 1)
   a.state_cache = view(state_cache, "state_cache", /*allow_strided_dim0=*/true, &a.state_cache_stride0);
   if (ape) a.ape = view(*ape, "ape");  // None: no APE term
   a.epilogue = epilogue(norm_weight, norm_eps, rope_cos, rope_sin);
@@ -257,12 +258,13 @@ void forward(const InArray& x, const InArray& wkv, const InArray& wgate, const O
   check(s);
 }
 
-void backward(const InArray& x, const InArray& wkv, const InArray& wgate, const InArray& d_cmp_kv,
-              const InArray& softmax_score, const InArray& kv, const std::optional<InArray>& cu_seqlens,
-              const std::optional<InArray>& seqused, const std::optional<InArray>& start_pos,
-              std::int64_t cmp_ratio, std::int64_t coff, const OutArray& d_x, const OutArray& d_wkv,
-              const OutArray& d_wgate, const std::optional<OutArray>& d_ape, const std::string& profile,
-              const std::string& precision, int num_threads, std::uintptr_t stream, bool row_stable,
+void backward(const InArray& x, const InArray& wkv, const std::optional<InArray>& wgate,
+              const InArray& d_cmp_kv, const InArray& softmax_score, const InArray& kv,
+              const std::optional<InArray>& cu_seqlens, const std::optional<InArray>& seqused,
+              const std::optional<InArray>& start_pos, std::int64_t cmp_ratio, std::int64_t coff,
+              const OutArray& d_x, const OutArray& d_wkv, const std::optional<OutArray>& d_wgate,
+              const std::optional<OutArray>& d_ape, const std::string& profile, const std::string& precision,
+              int num_threads, std::uintptr_t stream, bool row_stable,
               const std::optional<InArray>& norm_weight, float norm_eps,
               const std::optional<InArray>& rope_cos, const std::optional<InArray>& rope_sin,
               const std::optional<InArray>& pooled, const std::optional<OutArray>& d_norm_weight) {
@@ -270,7 +272,7 @@ void backward(const InArray& x, const InArray& wkv, const InArray& wgate, const 
   kvcomp::BackwardArgs a;
   a.x = view(x, "x");
   a.wkv = view(wkv, "wkv");
-  a.wgate = view(wgate, "wgate");
+  if (wgate) a.wgate = view(*wgate, "wgate");  // None: a call without a gate projection
   a.d_cmp_kv = view(d_cmp_kv, "d_cmp_kv");
   a.softmax_score = view(softmax_score, "softmax_score");
   a.kv = view(kv, "kv");
@@ -281,8 +283,8 @@ void backward(const InArray& x, const InArray& wkv, const InArray& wgate, const 
   a.coff = coff;
   a.d_x = view(d_x, "d_x");
   a.d_wkv = view(d_wkv, "d_wkv");
-  a.d_wgate = view(d_wgate, "d_wgate");
-  if (d_ape) a.d_ape = view(*d_ape, "d_ape");  // None: a call without APE
+  if (d_wgate) a.d_wgate = view(*d_wgate, "d_wgate");  // None: with wgate
+  if (d_ape) a.d_ape = view(*d_ape, "d_ape");          // None: a call without APE
   a.epilogue = epilogue(norm_weight, norm_eps, rope_cos, rope_sin);
   if (pooled) a.pooled = view(*pooled, "pooled");
   if (d_norm_weight) a.d_norm_weight = view(*d_norm_weight, "d_norm_weight");
@@ -318,7 +320,7 @@ NB_MODULE(_C, m) {
     }
   });
 
-  m.def("forward", &forward, nb::arg("x"), nb::arg("wkv"), nb::arg("wgate"), nb::arg("state_cache"),
+  m.def("forward", &forward, nb::arg("x"), nb::arg("wkv"), nb::arg("wgate").none(), nb::arg("state_cache"),
         nb::arg("ape").none(), nb::arg("state_block_table").none(), nb::arg("cu_seqlens").none(),
         nb::arg("seqused").none(), nb::arg("start_pos").none(), nb::arg("cmp_ratio"), nb::arg("coff"),
         nb::arg("cache_mode"), nb::arg("cmp_kv"), nb::arg("softmax_score").none(), nb::arg("kv").none(),
@@ -330,16 +332,17 @@ NB_MODULE(_C, m) {
         "Runs kvcomp::compressor_forward on caller-allocated outputs; state_cache is updated in place. "
         "stream: the cudaStream_t (as an integer) of a call on CUDA tensors, 0 for the default stream. "
         "prepared_weights: a blob of prepare_weights for this call's wkv and wgate, or None. "
-        "row_stable: kvcomp::Options::row_stable. ape None: no APE term. norm_weight, norm_eps, rope_cos, "
+        "row_stable: kvcomp::Options::row_stable. ape None: no APE term. wgate None: no gate projection "
+        "(cmp_ratio 1, coff 1 only). norm_weight, norm_eps, rope_cos, "
         "rope_sin: kvcomp::Epilogue; pooled: its rows before the epilogue (with softmax_score and kv).");
   m.def("prepared_weights_size", &prepared_weights_size, nb::arg("wkv"), nb::arg("wgate"),
         "Bytes of the prepared-weights blob of wkv and wgate (kvcomp::prepared_weights_size).");
   m.def("prepare_weights", &prepare_weights, nb::arg("wkv"), nb::arg("wgate"), nb::arg("blob"),
         nb::arg("num_threads") = 0, "Writes the prepared-weights blob (kvcomp::prepare_weights).");
-  m.def("backward", &backward, nb::arg("x"), nb::arg("wkv"), nb::arg("wgate"), nb::arg("d_cmp_kv"),
+  m.def("backward", &backward, nb::arg("x"), nb::arg("wkv"), nb::arg("wgate").none(), nb::arg("d_cmp_kv"),
         nb::arg("softmax_score"), nb::arg("kv"), nb::arg("cu_seqlens").none(), nb::arg("seqused").none(),
         nb::arg("start_pos").none(), nb::arg("cmp_ratio"), nb::arg("coff"), nb::arg("d_x"), nb::arg("d_wkv"),
-        nb::arg("d_wgate"), nb::arg("d_ape").none(), nb::arg("profile") = "extended",
+        nb::arg("d_wgate").none(), nb::arg("d_ape").none(), nb::arg("profile") = "extended",
         nb::arg("precision") = "precise", nb::arg("num_threads") = 0, nb::arg("stream") = 0,
         nb::arg("row_stable") = true, nb::arg("norm_weight").none() = nb::none(), nb::arg("norm_eps") = 1e-6f,
         nb::arg("rope_cos").none() = nb::none(), nb::arg("rope_sin").none() = nb::none(),

@@ -147,7 +147,10 @@ struct Epilogue {
 struct SequenceArgs {
   Tensor x;                          // io dtype (bf16, f16, or f32 as an extension)
   Tensor wkv;                        // [coff*D, H], io dtype
-  Tensor wgate;                      // [coff*D, H], io dtype
+  Tensor wgate;                      // [coff*D, H], io dtype; an empty view (Tensor{}; extended profile)
+                                     // at cmp_ratio 1 with coff 1 only: no gate product at all, every
+                                     // score 0 (+ ape), so a block's one token has weight 1 and the
+                                     // pooled row is its projection row (DeepSeek-V4.1's ratio 1)
   std::optional<Tensor> cu_seqlens;  // int32 [B+1], TH only
   std::optional<Tensor> seqused;     // int32 [B]; absent: whole sequences
   std::optional<Tensor> start_pos;   // int32 [B]; absent: all zero
@@ -188,7 +191,7 @@ struct BackwardArgs : SequenceArgs {
   // outputs
   Tensor d_x;            // io dtype, shape of x
   Tensor d_wkv;          // io dtype, [coff*D, H]; or f32 (both; extended profile, CPU): unrounded
-  Tensor d_wgate;        // io dtype, [coff*D, H]; f32 with d_wkv
+  Tensor d_wgate;        // io dtype, [coff*D, H]; f32 with d_wkv; an empty view where wgate is one
   Tensor d_ape;          // f32, [cmp_ratio, coff*D]; or f32 [2, cmp_ratio, coff*D] (extended profile,
                          // CPU): the float64 sums as hi + lo (hi the f32 result, lo what it rounded off);
                          // an empty view (Tensor{}; extended profile): not computed (a call without APE)

@@ -227,7 +227,9 @@ def compressor_forward(
 
     Shapes (D head dim, C = coff*D, r = cmp_ratio, io = bf16 | fp16 | fp32):
         x                  io      BSH [B, S, H] or TH [T, H] (then cu_seqlens is required)
-        wkv, wgate         io      [C, H]
+        wkv, wgate         io      [C, H]; wgate None: no gate projection (DeepSeek-V4.1's ratio 1:
+                                   cmp_ratio 1 and coff 1 only; extended profile), each row is its
+                                   token's projection row
         state_cache        fp32    [block_num, block_size, 2*C], updated in place (dim 0 may be strided)
         ape                fp32    [r, C]; None: no APE term (DeepSeek-V4.1; extended profile)
         state_block_table  int32   cache_mode 1: [B, ceil(Smax/block_size)]; cache_mode 2: [B]. Required.
@@ -390,7 +392,8 @@ def compressor_grad(
         rounding to fp32, with ``float64_d_ape=True``: CPU only). No block at all gives four zero
         outputs. ``row_stable``: as for ``compressor_forward`` (pass the forward's).
 
-    ``with_ape=False`` (a forward without APE): d_ape is None, not computed. With the forward's
+    ``with_ape=False`` (a forward without APE): d_ape is None, not computed. ``wgate`` None (a forward
+    without one): d_wgate is None. With the forward's
     epilogue (``norm_weight``, ``norm_eps``, ``rope_cos``, ``rope_sin`` as given to it, and its
     ``pooled``), ``d_cmp_kv`` is the gradient of the epilogue's rows, and with ``norm_weight`` the
     result has a fifth element, d_norm_weight (``norm_weight``'s shape and dtype), summed over the rows
@@ -403,7 +406,7 @@ def compressor_grad(
     xs, ws, gs = _in(x, "x"), _in(wkv, "wkv"), _in(wgate, "wgate")
     d_x = _empty(xs, _dims(xs))
     d_wkv = _empty(xs, _dims(ws), fp32=fp32_weight_grads)
-    d_wgate = _empty(xs, _dims(gs), fp32=fp32_weight_grads)
+    d_wgate = None if gs is None else _empty(xs, _dims(gs), fp32=fp32_weight_grads)
     dape_shape = (max(int(cmp_ratio), 0), _dims(ws)[0] if len(_dims(ws)) == 2 else 0)
     d_ape = _empty(xs, ((2,) if float64_d_ape else ()) + dape_shape, fp32=True) if with_ape else None
     epilogue = norm_weight is not None or rope_cos is not None or rope_sin is not None

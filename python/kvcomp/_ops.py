@@ -249,7 +249,8 @@ def _compressor_backward_fake(*args, **kwargs):
     return (
         a.x.new_empty(a.x.shape),
         a.wkv.new_empty(a.wkv.shape, dtype=w_dt),
-        a.wgate.new_empty(a.wgate.shape, dtype=w_dt),
+        # (an empty [0] tensor for the model operator's call without wgate)
+        a.wkv.new_empty(a.wgate.shape if a.wgate is not None else (0,), dtype=w_dt),
         a.wkv.new_empty((a.cmp_ratio, a.wkv.shape[0]), dtype=torch.float64 if a.float64_d_ape else torch.float32),
     )
 
@@ -478,13 +479,13 @@ def _optional(params, names):
 
 MODEL_FORWARD = Signature(
     "model_compressor_forward",
-    _optional(FORWARD.params[:FORWARD_UPSTREAM], ("ape",)) + _EPILOGUE_PARAMS + list(FORWARD.params[FORWARD_UPSTREAM:]),
+    _optional(FORWARD.params[:FORWARD_UPSTREAM], ("ape", "wgate")) + _EPILOGUE_PARAMS + list(FORWARD.params[FORWARD_UPSTREAM:]),
     "(Tensor, Tensor, Tensor, Tensor)",
     mutates=("state_cache",),
 )
 MODEL_BACKWARD = Signature(
     "model_compressor_backward",
-    list(BACKWARD.params[:BACKWARD_UPSTREAM])
+    _optional(BACKWARD.params[:BACKWARD_UPSTREAM], ("wgate",))
     + [("with_ape", "bool", True), ("pooled", "Tensor?", None)]
     + _EPILOGUE_PARAMS
     + list(BACKWARD.params[BACKWARD_UPSTREAM:]),
@@ -492,7 +493,7 @@ MODEL_BACKWARD = Signature(
 )
 MODEL_ANCHOR = Signature(
     "model_compressor_grad_anchor",
-    _optional(ANCHOR.params[:12], ("ape",))
+    _optional(ANCHOR.params[:12], ("ape", "wgate"))
     + [("pooled", "Tensor?", None)]
     + _EPILOGUE_PARAMS
     + list(ANCHOR.params[12:]),
@@ -556,6 +557,8 @@ def model_compressor_backward_op(*args, **kwargs):
     d_x, d_wkv, d_wgate, d_ape = grads[:4]
     if d_ape is None:
         d_ape = a.x.new_empty((0,), dtype=torch.float32)
+    if d_wgate is None:  # a call without wgate
+        d_wgate = a.x.new_empty((0,), dtype=d_wkv.dtype)
     d_norm = grads[4] if len(grads) > 4 else a.x.new_empty((0,))
     return d_x, d_wkv, d_wgate, d_ape, d_norm
 

@@ -234,9 +234,8 @@ class DeepseekV41Compressor(torch.nn.Module):
     run on kvcomp's operator (coff 1, cmp_ratio = ratio, no APE), with the weights cast to the io
     dtype of ``x`` inside the call so that autograd reaches fp32 parameters; the RMSNorm is the
     operator's epilogue (forward and backward fused, ``norm.weight``'s gradient summed in a fixed
-    order). Ratio 1 passes the operator a zero gate, whose softmax over one token is exactly 1: the
-    pooled row is the projection row, bit for bit (the gate's product is computed and unused; a later
-    release skips it).
+    order). Ratio 1 calls the operator without a gate (``wgate`` None): no gate product at all, the
+    pooled row is the projection row.
 
     Serving: with ``max_batch_size`` > 0 the module keeps each sequence's pending tokens (the open
     group: at most ``ratio - 1`` tokens) in kvcomp's state cache, the buffer ``state_cache`` (fp32,
@@ -278,7 +277,7 @@ class DeepseekV41Compressor(torch.nn.Module):
 
     def _gate(self, x):
         wkv = self.wkv.weight.to(x.dtype)
-        return wkv, self.wgate.weight.to(x.dtype) if self.wgate is not None else torch.zeros_like(wkv)
+        return wkv, self.wgate.weight.to(x.dtype) if self.wgate is not None else None
 
     def pooled(self, x, cu_seqlens=None, *, norm=False):
         """The pooled rows before the RMSNorm (after it, fused into the operator, with ``norm``), in x's

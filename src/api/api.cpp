@@ -279,6 +279,10 @@ Status validate_forward_call(const ForwardArgs& a, const Options& o, detail::Blo
     return {StatusCode::invalid_param, "[kvcomp] prepared_weights must be null for a call on " +
                                            device_name(a.x.device) +
                                            " (a GPU reads the weights where they lie)"};
+  if (!bp->dims.gate)
+    return {
+        StatusCode::invalid_param,
+        "[kvcomp] prepared_weights must be null for a call without wgate (a blob holds both projections)"};
   return detail::check_prepared(a.prepared_weights, a.prepared_weights_bytes, bp->dims.io, bp->dims.C,
                                 bp->dims.H);
 }

@@ -37,6 +37,10 @@ inline std::int64_t padded_ld(std::int64_t n) {
   return ld % 256 == 0 ? ld + 16 : ld;
 }
 
+// Columns of the projection product [kv | score]: 2C, or C for a call without a gate (its scores are
+// no product's: 0, + ape).
+inline std::int64_t projection_columns(const Dims& d) { return d.gate ? 2 * d.C : d.C; }
+
 // What a CPU call's plan decides about its products, once (plan_forward / plan_backward), and hands to
 // the sizing and to the run.
 struct ForwardDecision {

@@ -250,7 +250,8 @@ BackwardDecision decide_backward(const Dims& d, const Options& options) {
   // 16-bit products where the io is bf16 and the bf16 units outrun fp32 for this mode: npu_parity's one
   // product where they outrun the fp32 FMAs (bf16_backward), precise's two where even two do
   // (bf16_split).
-  if (d.io == DType::bf16 && config.bf16() && config.bf16_backward && (parity || config.bf16_split))
+  // (A call without a gate: fp32 products, as its forward's.)
+  if (d.io == DType::bf16 && config.bf16() && config.bf16_backward && (parity || config.bf16_split) && d.gate)
     call.path = parity ? BackwardPath::parity16 : BackwardPath::precise16;
   else
     call.path = parity ? BackwardPath::f32_rounded : BackwardPath::f32;
@@ -286,7 +287,7 @@ Status stage_weights(const BackwardArgs& args, const Dims& d, const BackwardDeci
       return {StatusCode::runtime_error, "[kvcomp] oneDNN reorder of the bf16 weights failed"};
   } else {
     rows_to_f32(args.wkv.data, d.io, C, H, buf.wcat, buf.ld_h, num_threads);
-    rows_to_f32(args.wgate.data, d.io, C, H, buf.wcat + C * buf.ld_h, buf.ld_h, num_threads);
+    if (d.gate) rows_to_f32(args.wgate.data, d.io, C, H, buf.wcat + C * buf.ld_h, buf.ld_h, num_threads);
   }
   std::fill(buf.dape, buf.dape + d.r * C, 0.0);
   return Status::success();
@@ -387,7 +388,9 @@ Status chunk_products_bf16(const Dims& d, const BackwardDecision& call, Backward
 Status chunk_products_f32(const Dims& d, const BackwardDecision& call, BackwardBuffers& buf,
                           const unsigned char* x_rows, const std::vector<char>& mark, std::int64_t n,
                           std::int64_t n_pad, bool dw_written, int num_threads, PhaseLaps& laps) {
-  const std::int64_t H = d.H, C = d.C;
+  const std::int64_t H = d.H;
+  // Without a gate the products read d_new's kv half only (its score half is 0 at ratio 1).
+  const std::int64_t P = projection_columns(d);
   const std::size_t io_size = dtype_size(d.io);
 #pragma omp parallel for num_threads(num_threads) schedule(static)
   for (std::int64_t i = 0; i < n; ++i) {
@@ -399,14 +402,14 @@ Status chunk_products_f32(const Dims& d, const BackwardDecision& call, BackwardB
   }
   laps.lap(Phase::bwd_x);
   // d_x rows = [d_new_kv | d_new_score] . [wkv ; wgate]
-  if (!gemm_f32(call.tiling, n_pad, H, 2 * C, {buf.dnew, buf.ld_c2, false}, {buf.wcat, buf.ld_h, false},
-                buf.dxf, buf.ld_h, false, num_threads))
+  if (!gemm_f32(call.tiling, n_pad, H, P, {buf.dnew, buf.ld_c2, false}, {buf.wcat, buf.ld_h, false}, buf.dxf,
+                buf.ld_h, false, num_threads))
     return {StatusCode::runtime_error, "[kvcomp] oneDNN matmul for d_x failed"};
   laps.lap(Phase::bwd_dx);
   // [d_wkv ; d_wgate] += [d_new_kv | d_new_score]^T . x (oneDNN's transposed-A path runs at half speed)
-  transpose_blocks<4>(buf.dnew, n, 2 * C, buf.ld_c2, buf.dnew_t, buf.ld_r, num_threads, transpose_4x4_f32);
+  transpose_blocks<4>(buf.dnew, n, P, buf.ld_c2, buf.dnew_t, buf.ld_r, num_threads, transpose_4x4_f32);
   laps.lap(Phase::bwd_split);
-  if (!gemm_f32(call.tiling, 2 * C, H, n, {buf.dnew_t, buf.ld_r, false}, {buf.xf, buf.ld_h, false}, buf.dwcat,
+  if (!gemm_f32(call.tiling, P, H, n, {buf.dnew_t, buf.ld_r, false}, {buf.xf, buf.ld_h, false}, buf.dwcat,
                 buf.ld_h, dw_written, num_threads))
     return {StatusCode::runtime_error, "[kvcomp] oneDNN matmul for d_wkv/d_wgate failed"};
   laps.lap(Phase::bwd_dw);
@@ -440,7 +443,8 @@ void write_weight_grads(const BackwardArgs& args, const Dims& d, const BackwardB
 #pragma omp parallel for num_threads(num_threads) schedule(static)
   for (std::int64_t c = 0; c < C; ++c) {
     from_f32(buf.dwcat + c * buf.ld_h, dwkv + static_cast<std::size_t>(c * H) * w_size, w_dt, H);
-    from_f32(buf.dwcat + (C + c) * buf.ld_h, dwgate + static_cast<std::size_t>(c * H) * w_size, w_dt, H);
+    if (dwgate)  // else a call without wgate
+      from_f32(buf.dwcat + (C + c) * buf.ld_h, dwgate + static_cast<std::size_t>(c * H) * w_size, w_dt, H);
   }
   auto* dape = static_cast<float*>(args.d_ape.data);
   if (!dape) return;                        // a call without APE
@@ -462,7 +466,8 @@ Status run_backward(const BackwardArgs& args, const BlockPlan& plan, const Backw
   if (plan.total_blocks == 0) {  // no block at all: four all-zero outputs, whatever the memory held
     zero_bytes(args.d_x.data, args.d_x.numel(), io_size);
     zero_bytes(args.d_wkv.data, args.d_wkv.numel(), dtype_size(args.d_wkv.dtype));
-    zero_bytes(args.d_wgate.data, args.d_wgate.numel(), dtype_size(args.d_wgate.dtype));
+    if (args.d_wgate.data)
+      zero_bytes(args.d_wgate.data, args.d_wgate.numel(), dtype_size(args.d_wgate.dtype));
     if (args.d_ape.data) zero_bytes(args.d_ape.data, args.d_ape.numel(), sizeof(float));
     if (args.epilogue.norm_weight)
       zero_bytes(args.d_norm_weight.data, args.d_norm_weight.numel(), dtype_size(args.d_norm_weight.dtype));

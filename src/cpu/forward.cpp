@@ -97,9 +97,11 @@ struct ForwardBuffers {
       // reads each column tile once per row tile, so it widens them once, whole, as [H, 2C] where the
       // probe holds (a blob's fp32 rows transposed so too), else as [2C, H]; a blob holds the latter.
       const bool one_pass = gemm_one_column_pass(call.tiling, gemm_padded_rows(call.tiling, R, true), d.H);
-      w_plain = !one_pass && gemm_b_plain_same_bits(call.tiling, 2 * d.C, d.H, ld_h, ld_h, ld_c2);
+      w_plain = d.gate && !one_pass && gemm_b_plain_same_bits(call.tiling, 2 * d.C, d.H, ld_h, ld_h, ld_c2);
       if (w_plain)
         wcat = ws.take<float>(d.H * ld_c2);
+      else if (!d.gate)  // no gate: wkv alone, widened whole (a call without wgate takes no blob)
+        wcat = ws.take<float>(d.C * ld_h);
       else if (!prepared.kv && one_pass)
         widen =
             ws.take<float>(static_cast<std::int64_t>(gemm_widen_scratch_floats(2 * d.C, ld_h, num_threads)));
@@ -148,13 +150,13 @@ ProjectionInputs projection_inputs(const Dims& d, const ForwardDecision& call, c
   in.f32_panels = prepared.kv_panels != nullptr;
   // A decode call of at most 8 rows without prepared weights, on AVX2: its fp32 products read the 16-bit
   // weights where they lie, with the bits of the converted copy, and skip converting them.
-  if (!prepared.kv && (d.io == DType::bf16 || fp16))
+  if (!prepared.kv && d.gate && (d.io == DType::bf16 || fp16))
     in.in_place_order = rows_16bit_order(config, row_stable, d.T, d.C, d.H, buf.ld_h, fp16);
   // gemm_f32 reads B stored [2C, H] with row stride ld_h (the fp32 copy, or the widened tiles).
   // Asked only where a chunk has so few rows (the first, or the last).
   const std::int64_t last = d.T % buf.chunk;
   if (d.T <= kRowsKernelMax || (last > 0 && last <= kRowsKernelMax))
-    in.rows_orders = rows_kernel_orders(config, row_stable, 2 * d.C, d.H, buf.ld_h, buf.ld_h);
+    in.rows_orders = rows_kernel_orders(config, row_stable, projection_columns(d), d.H, buf.ld_h, buf.ld_h);
   return in;
 }
 
@@ -314,6 +316,10 @@ Status stage_weights(const ForwardArgs& args, const Dims& d, const ForwardDecisi
   }
   w->panels[0] = prepared.kv_panels;
   w->panels[1] = prepared.gate_panels;
+  if (!d.gate) {  // wkv alone: [C, ld_h]
+    rows_to_f32(args.wkv.data, d.io, C, H, buf.wcat, buf.ld_h, num_threads);
+    return Status::success();
+  }
   // The long fp32-product call's weights widened as [H, 2C] where oneDNN's sgemm gives the same bits
   // from there as from [2C, H] and runs faster (AVX-512, docs/performance.md); a prepared blob's [2C, H]
   // is transposed too.
@@ -392,7 +398,7 @@ Status project_chunk(const ForwardArgs& args, const Dims& d, const ForwardDecisi
   const std::int64_t n_pad = choice.rows;
   for (std::int64_t i = n; i < n_pad; ++i) std::fill(buf.xf + i * buf.ld_h, buf.xf + i * buf.ld_h + H, 0.0f);
   const RowsKernelOrders* orders = in.rows_orders ? &*in.rows_orders : nullptr;
-  const bool ok = w.wcat ? gemm_f32(call.tiling, n_pad, 2 * C, H, {buf.xf, buf.ld_h, false},
+  const bool ok = w.wcat ? gemm_f32(call.tiling, n_pad, projection_columns(d), H, {buf.xf, buf.ld_h, false},
                                     buf.w_plain ? GemmOperand{w.wcat, buf.ld_c2, false}
                                                 : GemmOperand{w.wcat, buf.ld_h, true},
                                     rows, buf.ld_c2, false, num_threads, n, orders)
@@ -400,6 +406,9 @@ Status project_chunk(const ForwardArgs& args, const Dims& d, const ForwardDecisi
                                              args.wkv.data, args.wgate.data, d.io, rows, buf.ld_c2, buf.widen,
                                              buf.ld_h, num_threads, n, orders);
   if (!ok) return {StatusCode::runtime_error, "[kvcomp] oneDNN matmul for the projections failed"};
+  if (!d.gate)  // no gate product: the scores are 0 (+ ape, added next)
+    for (std::int64_t i = 0; i < n; ++i)
+      std::fill(rows + i * buf.ld_c2 + C, rows + i * buf.ld_c2 + 2 * C, 0.0f);
   return Status::success();
 }
 
@@ -489,8 +498,9 @@ void report_forward(const Dims& d, const ForwardDecision& call, const Projection
 
 std::string plan_report_head(const char* op, const Dims& d, int num_threads, bool row_stable) {
   return std::string("[kvcomp] ") + op + " plan: " + std::to_string(d.T) + " rows, H " + std::to_string(d.H) +
-         ", 2 x " + std::to_string(d.C) + " projection columns, " + dtype_name(d.io) + " io, " +
-         std::to_string(num_threads) + " threads" + (row_stable ? "" : ", not row-stable");
+         (d.gate ? ", 2 x " : ", 1 x (no gate) ") + std::to_string(d.C) + " projection columns, " +
+         dtype_name(d.io) + " io, " + std::to_string(num_threads) + " threads" +
+         (row_stable ? "" : ", not row-stable");
 }
 
 ForwardDecision decide_forward(const Dims& d, const Options& options) {
@@ -498,7 +508,9 @@ ForwardDecision decide_forward(const Dims& d, const Options& options) {
   ForwardDecision call;
   call.tiling = config.tiling(options.row_stable);
   call.bf16 = config.bf16_kernels;
-  call.bf16_products = d.io == DType::bf16 && config.bf16();
+  // A call without a gate runs fp32 products on every CPU: its product is wkv's alone, which the bf16
+  // tiles and kernels (made for the two halves) do not run.
+  call.bf16_products = d.io == DType::bf16 && config.bf16() && d.gate;
   call.bf16_rows_kernel = config.bf16_rows_kernel;
   call.bf16_decode_panels = config.bf16_decode_panels;
   return call;

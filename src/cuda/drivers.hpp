@@ -36,6 +36,9 @@ namespace kvcomp::detail::cuda {
 
 // [wkv ; wgate] as one [2C, H] io matrix in the workspace, so that each
 // product of the operator is one GEMM (the two weights are separate tensors).
+// A call without wgate (cmp_ratio 1, coff 1) gets zero gate rows: every score
+// is then 0 (+ ape), which is what the call means; the gate half of the
+// products is computed on those zeros (the CPU backend skips it).
 template <typename Layout>
 void* take_wcat(Layout& ws, const Dims& d) {
   return ws.template take<unsigned char>(
@@ -46,6 +49,7 @@ template <typename Exec, typename Args>
 Status fill_wcat(Exec& ex, const Args& args, const Dims& d, void* wcat) {
   const std::size_t half = static_cast<std::size_t>(d.C * d.H) * dtype_size(d.io);
   if (auto s = ex.copy(wcat, args.wkv.data, half); !s.ok()) return s;
+  if (!d.gate) return ex.zero(static_cast<unsigned char*>(wcat) + half, half);
   return ex.copy(static_cast<unsigned char*>(wcat) + half, args.wgate.data, half);
 }
 
@@ -329,7 +333,8 @@ Status run_backward_chunks(Exec& ex, const BackwardArgs& args, const BlockPlan& 
     }
   }
   if (auto s = ex.narrow(buf.dwf, args.d_wkv.data, d.io, C * H); !s.ok()) return s;
-  if (auto s = ex.narrow(buf.dwf + C * H, args.d_wgate.data, d.io, C * H); !s.ok()) return s;
+  if (args.d_wgate.data)  // else a call without wgate
+    if (auto s = ex.narrow(buf.dwf + C * H, args.d_wgate.data, d.io, C * H); !s.ok()) return s;
   if (!args.d_ape.data) return Status::success();
   return ex.f64_to_f32(buf.dape, static_cast<float*>(args.d_ape.data), d.r * C);
 }

@@ -23,6 +23,7 @@ struct Dims {
   std::int64_t B = 0, S = 0, T = 0;  // S: BSH padded length; T: token rows of x
   std::int64_t H = 0, D = 0, C = 0;  // C = coff * D
   std::int64_t r = 0, coff = 1;
+  bool gate = true;  // false: no wgate (cmp_ratio 1, coff 1): every score 0 (+ ape), no gate product
 };
 
 struct BatchSpan {

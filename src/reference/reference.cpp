@@ -113,7 +113,8 @@ ForwardOutputs<Real> forward(const Problem& p, ForwardInputs<Real>& in) {
   const i64 per_batch_bsh = ceil_div(p.S, r);
   check_size(in.x.size(), rows * H, "x");
   check_size(in.wkv.size(), C * H, "wkv");
-  check_size(in.wgate.size(), C * H, "wgate");
+  const bool gate = !in.wgate.empty();  // empty: no gate projection, every score 0 (+ ape)
+  if (gate) check_size(in.wgate.size(), C * H, "wgate");
   if (!in.ape.empty()) check_size(in.ape.size(), r * C, "ape");  // empty: no APE term
   check_size(in.cache.data.size(), in.cache.block_num * in.cache.block_size * 2 * C, "state cache");
 
@@ -131,7 +132,7 @@ ForwardOutputs<Real> forward(const Problem& p, ForwardInputs<Real>& in) {
       Real skv = 0, sg = 0;
       for (i64 h = 0; h < H; ++h) {
         skv += in.x[idx(i * H + h)] * in.wkv[idx(c * H + h)];
-        sg += in.x[idx(i * H + h)] * in.wgate[idx(c * H + h)];
+        if (gate) sg += in.x[idx(i * H + h)] * in.wgate[idx(c * H + h)];
       }
       new_kv[idx(i * C + c)] = skv;
       new_score[idx(i * C + c)] = sg;
@@ -228,7 +229,8 @@ BackwardOutputs<Real> backward(const Problem& p, const BackwardInputs<Real>& in,
   const i64 per_batch_bsh = ceil_div(p.S, r);
   check_size(in.x.size(), rows * H, "x");
   check_size(in.wkv.size(), C * H, "wkv");
-  check_size(in.wgate.size(), C * H, "wgate");
+  const bool gate = !in.wgate.empty();  // empty: no gate projection (forward), no d_wgate
+  if (gate) check_size(in.wgate.size(), C * H, "wgate");
   check_size(in.d_cmp_kv.size(), out_rows * D, "d_cmp_kv");
   check_size(in.softmax_score.size(), out_rows * nrow * D, "softmax_score");
   check_size(in.kv.size(), out_rows * nrow * D, "kv");
@@ -236,7 +238,7 @@ BackwardOutputs<Real> backward(const Problem& p, const BackwardInputs<Real>& in,
   BackwardOutputs<Real> out;
   out.d_x.assign(idx(rows * H), Real(0));
   out.d_wkv.assign(idx(C * H), Real(0));
-  out.d_wgate.assign(idx(C * H), Real(0));
+  if (gate) out.d_wgate.assign(idx(C * H), Real(0));
   out.d_ape.assign(idx(r * C), Real(0));
 
   std::vector<Real> d_new_kv(idx(rows * C), Real(0)), d_new_score(idx(rows * C), Real(0));
@@ -292,7 +294,7 @@ BackwardOutputs<Real> backward(const Problem& p, const BackwardInputs<Real>& in,
       Real akv = 0, ag = 0;
       for (i64 c = 0; c < C; ++c) {
         akv += d_new_kv[idx(i * C + c)] * in.wkv[idx(c * H + h)];
-        ag += d_new_score[idx(i * C + c)] * in.wgate[idx(c * H + h)];
+        if (gate) ag += d_new_score[idx(i * C + c)] * in.wgate[idx(c * H + h)];
       }
       out.d_x[idx(i * H + h)] = akv + ag;
     }
@@ -305,7 +307,7 @@ BackwardOutputs<Real> backward(const Problem& p, const BackwardInputs<Real>& in,
         ag += d_new_score[idx(i * C + c)] * in.x[idx(i * H + h)];
       }
       out.d_wkv[idx(c * H + h)] = akv;
-      out.d_wgate[idx(c * H + h)] = ag;
+      if (gate) out.d_wgate[idx(c * H + h)] = ag;
     }
   }
   return out;

@@ -49,7 +49,7 @@ template <typename Real>
 struct ForwardInputs {
   std::vector<Real> x;      // [rows, H]
   std::vector<Real> wkv;    // [C, H]
-  std::vector<Real> wgate;  // [C, H]
+  std::vector<Real> wgate;  // [C, H]; empty: no gate projection, every score 0 (+ ape)
   std::vector<Real> ape;    // [r, C]; empty: no APE term
   CacheState<Real> cache;   // updated in place by forward()
 };
@@ -75,7 +75,7 @@ template <typename Real>
 struct BackwardOutputs {
   std::vector<Real> d_x;      // [rows, H]
   std::vector<Real> d_wkv;    // [C, H]
-  std::vector<Real> d_wgate;  // [C, H]
+  std::vector<Real> d_wgate;  // [C, H]; empty where wgate is
   std::vector<Real> d_ape;    // [r, C]
 };
 

@@ -111,8 +111,14 @@ void add_optional(std::vector<Named>& v, const char* name, const std::optional<T
   if (t) v.emplace_back(name, &*t);
 }
 
-void add_sequence(std::vector<Named>& v, const SequenceArgs& a) {
-  v.insert(v.end(), {{"x", &a.x}, {"wkv", &a.wkv}, {"wgate", &a.wgate}});
+// A call without a gate projection (DeepSeek-V4.1's ratio 1): an extension; the NPU operator requires it.
+bool no_gate(const SequenceArgs& a, const Options& o) {
+  return absent(a.wgate) && o.profile == Profile::extended;
+}
+
+void add_sequence(std::vector<Named>& v, const SequenceArgs& a, const Options& o) {
+  v.insert(v.end(), {{"x", &a.x}, {"wkv", &a.wkv}});
+  if (!no_gate(a, o)) v.emplace_back("wgate", &a.wgate);
   add_optional(v, "cu_seqlens", a.cu_seqlens);
   add_optional(v, "seqused", a.seqused);
   add_optional(v, "start_pos", a.start_pos);
@@ -194,7 +200,9 @@ class IndexData {
 Status validate_sequence(const SequenceArgs& a, const Options& o, bool forward, Dims* dims) {
   if (auto s = check_present("x", a.x, forward); !s.ok()) return s;
   if (auto s = check_present("wkv", a.wkv); !s.ok()) return s;
-  if (auto s = check_present("wgate", a.wgate); !s.ok()) return s;
+  const bool gate = !no_gate(a, o);
+  if (gate)
+    if (auto s = check_present("wgate", a.wgate); !s.ok()) return s;
 
   if (a.x.rank != 2 && a.x.rank != 3)
     return invalid("x (rank " + std::to_string(a.x.rank) +
@@ -205,7 +213,8 @@ Status validate_sequence(const SequenceArgs& a, const Options& o, bool forward, 
                    (o.profile == Profile::extended ? " (or fp32)" : " under the aclnn profile"));
   if (auto s = check_rank_dtype("x", a.x, a.x.dtype, a.x.rank); !s.ok()) return s;
   if (auto s = check_rank_dtype("wkv", a.wkv, a.x.dtype, 2); !s.ok()) return s;
-  if (auto s = check_rank_dtype("wgate", a.wgate, a.x.dtype, 2); !s.ok()) return s;
+  if (gate)
+    if (auto s = check_rank_dtype("wgate", a.wgate, a.x.dtype, 2); !s.ok()) return s;
 
   if (layout == Layout::th && !a.cu_seqlens)
     return invalid("cu_seqlens (= absent) must be given when x has rank 2 (TH layout)");
@@ -218,12 +227,17 @@ Status validate_sequence(const SequenceArgs& a, const Options& o, bool forward, 
     return invalid("cmp_ratio (= " + std::to_string(a.cmp_ratio) + ") must be in [" +
                    std::to_string(min_ratio) + ", " + std::to_string(max_ratio) + "]");
   if (a.coff != 1 && a.coff != 2) return invalid("coff (= " + std::to_string(a.coff) + ") must be 1 or 2");
+  if (!gate && (a.cmp_ratio != 1 || a.coff != 1))
+    return invalid("wgate (= absent) must be given unless cmp_ratio = 1 and coff = 1 (got cmp_ratio " +
+                   std::to_string(a.cmp_ratio) + ", coff " + std::to_string(a.coff) +
+                   "): only a block of one token needs no scores");
 
   Dims d;
   d.layout = layout;
   d.io = a.x.dtype;
   d.r = a.cmp_ratio;
   d.coff = a.coff;
+  d.gate = gate;
   if (layout == Layout::bsh) {
     d.B = a.x.dim(0);
     d.S = a.x.dim(1);
@@ -254,7 +268,8 @@ Status validate_sequence(const SequenceArgs& a, const Options& o, bool forward, 
     return invalid("H (= " + std::to_string(d.H) + ") must be >= 1");
   }
   if (auto s = check_shape("wkv", a.wkv, {d.C, d.H}); !s.ok()) return s;
-  if (auto s = check_shape("wgate", a.wgate, {d.C, d.H}); !s.ok()) return s;
+  if (gate)
+    if (auto s = check_shape("wgate", a.wgate, {d.C, d.H}); !s.ok()) return s;
   if (auto s = check_optional_int("seqused", a.seqused, d.B); !s.ok()) return s;
   if (auto s = check_optional_int("start_pos", a.start_pos, d.B); !s.ok()) return s;
   if (d.T > std::numeric_limits<std::int32_t>::max())
@@ -411,7 +426,7 @@ Status validate_forward(const ForwardArgs& a, const Options& o, BlockPlan* plan,
     if (auto s = check_present("kv", a.kv, true); !s.ok()) return s;
   }
   std::vector<Named> on_device;
-  add_sequence(on_device, a);
+  add_sequence(on_device, a, o);
   on_device.insert(on_device.end(), {{"state_cache", &a.state_cache}, {"cmp_kv", &a.cmp_kv}});
   if (!no_ape) on_device.emplace_back("ape", &a.ape);
   add_optional(on_device, "state_block_table", a.state_block_table);
@@ -490,19 +505,24 @@ Status validate_backward(const BackwardArgs& a, const Options& o, BlockPlan* pla
                          const DeviceAccess* device) {
   // d_ape may be left out (an empty view) under the extended profile: a call without APE.
   const bool no_dape = absent(a.d_ape) && o.profile == Profile::extended;
+  // d_wgate is left out exactly where wgate is (a call without a gate projection).
+  const bool gate = !no_gate(a, o);
+  if (!gate && !absent(a.d_wgate))
+    return invalid("d_wgate (= given) must be absent (an empty view) when wgate is: no gate, no gradient");
   std::vector<Named> required = {{"d_cmp_kv", &a.d_cmp_kv},
                                  {"softmax_score", &a.softmax_score},
                                  {"kv", &a.kv},
                                  {"d_x", &a.d_x},
-                                 {"d_wkv", &a.d_wkv},
-                                 {"d_wgate", &a.d_wgate}};
+                                 {"d_wkv", &a.d_wkv}};
+  if (gate) required.emplace_back("d_wgate", &a.d_wgate);
   if (!no_dape) required.emplace_back("d_ape", &a.d_ape);
   // An empty tensor may come without storage: it is reported as empty
   // (561002) below, not as a null pointer.
   for (const auto& [name, t] : required)
     if (auto s = check_present(name, *t, true); !s.ok()) return s;
   // The backward's every tensor but the optional index ones: all on one device, none empty.
-  std::vector<Named> non_empty = {{"x", &a.x}, {"wkv", &a.wkv}, {"wgate", &a.wgate}};
+  std::vector<Named> non_empty = {{"x", &a.x}, {"wkv", &a.wkv}};
+  if (gate) non_empty.emplace_back("wgate", &a.wgate);
   non_empty.insert(non_empty.end(), std::begin(required), std::end(required));
   std::vector<Named> on_device = non_empty;
   add_optional(on_device, "cu_seqlens", a.cu_seqlens);
@@ -519,7 +539,8 @@ Status validate_backward(const BackwardArgs& a, const Options& o, BlockPlan* pla
   if (auto s = check_rank_dtype("d_x", a.d_x, d.io, a.x.rank); !s.ok()) return s;
   // d_wkv / d_wgate: the io dtype, or (extended profile, CPU) both fp32: the weight gradients unrounded,
   // for fp32 master weights and for partial sums that are reduced before any rounding.
-  const bool wgrad_f32 = a.d_wkv.dtype == DType::f32 && a.d_wgate.dtype == DType::f32 && d.io != DType::f32;
+  const bool wgrad_f32 =
+      a.d_wkv.dtype == DType::f32 && (!gate || a.d_wgate.dtype == DType::f32) && d.io != DType::f32;
   if (wgrad_f32 && o.profile == Profile::aclnn)
     return invalid("d_wkv (dtype f32) must have the io dtype " + std::string(dtype_name(d.io)) +
                    " under the aclnn profile (fp32 weight gradients are an extension)");
@@ -528,7 +549,8 @@ Status validate_backward(const BackwardArgs& a, const Options& o, BlockPlan* pla
                    std::string(dtype_name(d.io)) + ": fp32 weight gradients are computed on the CPU only");
   const DType wgrad_dt = wgrad_f32 ? DType::f32 : d.io;
   if (auto s = check_rank_dtype("d_wkv", a.d_wkv, wgrad_dt, 2); !s.ok()) return s;
-  if (auto s = check_rank_dtype("d_wgate", a.d_wgate, wgrad_dt, 2); !s.ok()) return s;
+  if (gate)
+    if (auto s = check_rank_dtype("d_wgate", a.d_wgate, wgrad_dt, 2); !s.ok()) return s;
   // d_ape: f32 [r, C]; or (extended profile, CPU) f32 [2, r, C]: the float64 sums as hi + lo parts.
   const bool dape_parts = a.d_ape.rank == 3 && o.profile == Profile::extended;
   if (dape_parts && a.d_ape.device.type != DeviceType::cpu)
@@ -549,7 +571,8 @@ Status validate_backward(const BackwardArgs& a, const Options& o, BlockPlan* pla
     return s;
   }
   if (auto s = check_shape("d_wkv", a.d_wkv, {d.C, d.H}); !s.ok()) return s;
-  if (auto s = check_shape("d_wgate", a.d_wgate, {d.C, d.H}); !s.ok()) return s;
+  if (gate)
+    if (auto s = check_shape("d_wgate", a.d_wgate, {d.C, d.H}); !s.ok()) return s;
   if (no_dape) {
   } else if (dape_parts) {
     if (auto s = check_shape("d_ape", a.d_ape, {2, d.r, d.C}); !s.ok()) return s;

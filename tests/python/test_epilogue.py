@@ -249,3 +249,55 @@ def test_compiled_training_step_is_the_eager_one(backend):
         results.append([out.detach()] + [t.grad for t in leaves])
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_model_operators_without_a_gate():
+    """DeepSeek-V4.1's ratio 1: ``wgate`` None (cmp_ratio 1, coff 1): opcheck of the three operators, an
+    empty d_wgate, rows within one rounding of the fp32 projection, gradients of the projection alone,
+    and the call compiled (fullgraph) bitwise the eager one."""
+    x, wkv, _, _, w = _case(torch.bfloat16, seed=31, S=9)
+    cache, table = _state(x)
+    args = (x, wkv, None, cache, None, table, None, None, None, 1, 1, 1, True, w, EPS, None, None)
+    torch.library.opcheck(torch.ops.kvcomp.model_compressor_forward.default, args)
+    cmp_kv, s, kv, pooled = torch.ops.kvcomp.model_compressor_forward(*args)
+    want = (x.float() @ wkv.float().t()).to(torch.bfloat16)
+    assert ((pooled.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 1e-6).all()
+    bwd = (torch.randn_like(cmp_kv), x, wkv, None, s, kv, None, None, None, 1, 1, False, pooled, w, EPS, None, None)
+    torch.library.opcheck(torch.ops.kvcomp.model_compressor_backward.default, bwd)
+    d = torch.ops.kvcomp.model_compressor_backward(*bwd)
+    assert d[2].shape == (0,) and d[3].shape == (0,) and d[4].shape == (D,)
+    anchor = (cmp_kv, x.clone().requires_grad_(), wkv.clone().requires_grad_(), None, None, s, kv, None, None,
+              None, 1, 1, pooled, w.clone().requires_grad_(), EPS, None, None)
+    torch.library.opcheck(torch.ops.kvcomp.model_compressor_grad_anchor.default, anchor)
+
+    # The gradients: those of norm(x wkv^T) in float64, at kvcomp's own rounded rows.
+    g = torch.randn(cmp_kv.shape, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+
+    def step(xs, wk, nw):
+        c, t = _state(xs)
+        return _ops.model_compressor(xs, wk, None, None, 1, state_cache=c, state_block_table=t, norm_weight=nw,
+                                     norm_eps=EPS)
+
+    results = []
+    for fn in (step, torch.compile(step, backend="aot_eager", fullgraph=True)):
+        leaves = [t.clone().requires_grad_() for t in (x, wkv, w)]
+        out = fn(*leaves)
+        out.backward(g)
+        results.append((out, *(t.grad for t in leaves)))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    out, dx, dwkv, dw = results[0]
+    p = pooled.double()
+    rstd = (p.pow(2).mean(-1, keepdim=True) + EPS).rsqrt()
+    dy = g.double()
+    d_norm_weight = (dy * p * rstd).sum((0, 1))
+    dxhat = dy * w.double()
+    dp = rstd * (dxhat - p * rstd.pow(2) * (dxhat * p).mean(-1, keepdim=True))
+    want_dx = dp @ wkv.double()
+    want_dwkv = dp.reshape(-1, D).t() @ x.double().reshape(-1, H)
+    for got, exp in ((dx, want_dx), (dwkv, want_dwkv), (dw, d_norm_weight)):
+        assert (got.double() - exp).abs().max() <= 2**-7 * exp.abs().max(), (got, exp)
+
+    # Anywhere else a gate is required, with a sentence.
+    with pytest.raises(KvcompError, match="cmp_ratio = 1 and coff = 1"):
+        _forward(x, wkv, None, None, grad=False)
