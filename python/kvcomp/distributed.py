@@ -335,6 +335,10 @@ def _prepare(x, wkv, wgate, ape, cmp_ratio, group, split, cu_seqlens, seqused, s
     """Checks the call on every rank and plans it: the _Call every rank runs. ``precision`` / ``profile``:
     the call's (None: the defaults in force now), kept on the call for its backward."""
     precision, profile = _ops.resolved_options(precision, profile)
+    if wgate is None:
+        raise error(INVALID_PARAM, "wgate (= None) must be given to a context-parallel call: a call without a "
+                                  "gate (cmp_ratio 1) pools no two tokens together, so each rank runs kvcomp's "
+                                  "operator on its own tokens, with no exchange")
     if not dist.is_available() or not dist.is_initialized():
         raise error(RUNTIME_ERROR, "torch.distributed (= not initialised) must be initialised "
                                   "(torch.distributed.init_process_group) before a context-parallel call")
@@ -453,7 +457,8 @@ def cp_compressor(
         x: this rank's tokens, io dtype: BSH ``[B, S_k, H]`` or TH ``[T_k, H]`` (see the module doc for
             which tokens each split gives a rank).
         wkv, wgate, ape, cmp_ratio, coff: as ``kvcomp.torch.compressor`` (the same on every rank; ``ape``
-            may be None: no APE term, as ``kvcomp.compressor_forward``'s);
+            may be None: no APE term, as ``kvcomp.compressor_forward``'s; ``wgate`` may not: a call
+            without a gate pools no two tokens, so each rank calls the operator on its own tokens);
             ``wkv`` / ``wgate`` may also both be fp32 master weights with 16-bit ``x``: the call casts
             them to the io dtype, and their gradients are fp32 partial sums, not rounded per rank (CPU;
             on CUDA the io dtype's, widened).

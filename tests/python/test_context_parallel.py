@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import kvcomp
+import kvcomp.distributed
 import kvcomp.torch as kt
 from kvcomp import _ops
 from cp_common import epilogue_of, make_cp_case, token_rows
@@ -359,3 +360,12 @@ def test_world_2(tmp_path):
     ranks = run_ranks(tmp_path, 2, CASES_2)
     for name, s in CASES_2.items():
         check_case(name, s, ranks, 2)
+
+
+def test_a_call_without_a_gate_is_refused_with_a_sentence():
+    """wgate None (cmp_ratio 1) needs no exchange between ranks: cp_compressor says so, before any
+    collective."""
+    x = torch.randn(1, 4, 16).to(torch.bfloat16)
+    wkv = torch.randn(8, 16).to(torch.bfloat16)
+    with pytest.raises(kvcomp.KvcompError, match="wgate .= None. must be given to a context-parallel call"):
+        kvcomp.distributed.cp_compressor(x, wkv, None, None, 1)
