@@ -193,13 +193,14 @@ def _complete_rows(x, rows, cu_seqlens, ratio):
     return rows[: int(((cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64) // ratio).sum())]
 
 
-def _prefill_table(x, ratio, coff, keep):
-    """The paged block table of a prefill of BSH ``x`` into a decode state whose batch slot b owns
-    blocks ``1 + b*coff + j`` (j < coff): the positions from ``keep`` on (what later decode calls read)
-    go to the slot's blocks, the others to block 0 (not written)."""
+def _prefill_table(x, ratio, coff, keep, slots=None):
+    """The paged block table of a prefill of BSH ``x`` into a decode state whose batch slot s owns
+    blocks ``1 + s*coff + j`` (j < coff), batch row b in slot ``slots[b]`` (default b): the positions
+    from ``keep`` on (what later decode calls read) go to the slot's blocks, the others to block 0 (not
+    written)."""
     bsz, seqlen = x.shape[0], x.shape[1]
     col = torch.arange(-(-seqlen // ratio), dtype=torch.int32, device=x.device)
-    slot = torch.arange(bsz, dtype=torch.int32, device=x.device)[:, None]
+    slot = (torch.arange(bsz, dtype=torch.int32, device=x.device) if slots is None else slots)[:, None]
     return torch.where(col * ratio >= keep, 1 + slot * coff + col % coff, torch.zeros_like(col)).to(torch.int32)
 
 
@@ -293,21 +294,48 @@ class DeepseekV41Compressor(torch.nn.Module):
                                     norm_eps=self.norm.eps)
         return _complete_rows(x, rows, cu_seqlens, r)
 
-    def forward(self, x, cu_seqlens=None, *, start_pos=None):
+    def forward(self, x, cu_seqlens=None, *, start_pos=None, slots=None):
         """The compressed rows of ``x`` (BSH ``[B, S, H]``, or TH ``[T, H]`` with ``cu_seqlens``), normed,
         in x's dtype: BSH ``[B, S // ratio, head_dim]``, TH ``[sum of len // ratio, head_dim]``.
 
-        With ``start_pos`` (an int; needs ``max_batch_size``), the serving form on the module's decode
-        state, batch row b in batch slot b: ``start_pos == 0`` is a prefill of BSH ``x`` (``B <=
-        max_batch_size``), returning the same rows and keeping each sequence's pending tokens (its open
-        group); ``start_pos > 0`` is one decode step (``S == 1``, the token at position ``start_pos`` of
-        every sequence): the row ``[B, 1, head_dim]`` of the group it closes, or None when it closes
-        none. The rows of a decode loop are those of one call on the whole sequences, bit for bit."""
-        if start_pos is None:
-            return self.pooled(x, cu_seqlens, norm=True)
-        return self._serve(x, int(start_pos))
+        With ``start_pos`` (needs ``max_batch_size``), the serving form on the module's decode state,
+        batch row b in batch slot ``slots[b]`` (``slots``: int ``[B]``, distinct, each in ``[0,
+        max_batch_size)``; default: slot b):
 
-    def _serve(self, x, start_pos):
+        * ``start_pos == 0`` (an int): a prefill of BSH ``x`` (each sequence from its first token),
+          returning the same rows and keeping each sequence's pending tokens (its open group) in its slot.
+        * ``start_pos > 0`` (an int): one decode step (``S == 1``, the token at position ``start_pos`` of
+          every sequence): the rows ``[B, 1, head_dim]`` of the groups it closes, or None when it closes
+          none.
+        * ``start_pos`` an int tensor ``[B]``: one decode step with each sequence at its own position
+          (continuous batching; ``S == 1``; a position 0 starts a sequence). Returns ``[B, 1,
+          head_dim]``: row b is the row of the group that token closes where ``(start_pos[b] + 1) %
+          ratio == 0``, zero elsewhere.
+
+        The rows of a decode loop are those of one call on the whole sequences, bit for bit."""
+        if start_pos is None:
+            if slots is not None:
+                raise KvcompError(INVALID_PARAM, "[kvcomp] slots (= given) must come with start_pos (the serving "
+                                                 "form): a stateless call has no batch slots")
+            return self.pooled(x, cu_seqlens, norm=True)
+        return self._serve(x, start_pos, slots)
+
+    def _slots(self, x, slots):
+        """Batch row b's batch slot: int32 ``[B]``, checked."""
+        bsz = x.shape[0]
+        if slots is None:
+            return torch.arange(bsz, dtype=torch.int32, device=x.device)
+        s = torch.as_tensor(slots, device=x.device)
+        if s.dim() != 1 or s.shape[0] != bsz or s.is_floating_point() or s.is_complex():
+            raise KvcompError(INVALID_PARAM, f"[kvcomp] slots (shape {tuple(s.shape)}, dtype {s.dtype}) must be "
+                                             f"an int tensor [B] (= [{bsz}])")
+        values = s.tolist()
+        if any(v < 0 or v >= self.max_batch_size for v in values) or len(set(values)) != len(values):
+            raise KvcompError(INVALID_PARAM, f"[kvcomp] slots (= {values}) must be distinct and in [0, "
+                                             f"max_batch_size (= {self.max_batch_size}))")
+        return s.to(torch.int32)
+
+    def _serve(self, x, start_pos, slots):
         r, d = self.ratio, self.head_dim
         if self.state_cache is None:
             raise KvcompError(INVALID_PARAM, "[kvcomp] max_batch_size (= 0) must be > 0 for calls with start_pos "
@@ -318,24 +346,40 @@ class DeepseekV41Compressor(torch.nn.Module):
         if bsz > self.max_batch_size:
             raise KvcompError(INVALID_PARAM, f"[kvcomp] x.shape[0] (= {bsz}) must be <= max_batch_size (= "
                                              f"{self.max_batch_size})")
-        if start_pos < 0:
-            raise KvcompError(INVALID_PARAM, f"[kvcomp] start_pos (= {start_pos}) must be >= 0")
-        if start_pos > 0 and seqlen != 1:
+        per_sequence = isinstance(start_pos, torch.Tensor)
+        if per_sequence:
+            if start_pos.dim() != 1 or start_pos.shape[0] != bsz or start_pos.is_floating_point():
+                raise KvcompError(INVALID_PARAM, f"[kvcomp] start_pos (shape {tuple(start_pos.shape)}, dtype "
+                                                 f"{start_pos.dtype}) must be an int or an int tensor [B] (= [{bsz}])")
+            pos = start_pos.to(device=x.device, dtype=torch.int32)
+            low = int(pos.min()) if bsz else 0
+        else:
+            start_pos = int(start_pos)
+            low = start_pos
+        if low < 0:
+            raise KvcompError(INVALID_PARAM, f"[kvcomp] start_pos (= {start_pos if not per_sequence else pos.tolist()}) "
+                                             "must be >= 0")
+        if (per_sequence or start_pos > 0) and seqlen != 1:
             raise KvcompError(INVALID_PARAM, f"[kvcomp] x.shape[1] (= {seqlen}) must be 1 when start_pos (= "
-                                             f"{start_pos}) > 0: decode takes one token per call")
+                                             f"{start_pos if not per_sequence else pos.tolist()}) is a decode step: "
+                                             "decode takes one token per call")
+        slot = self._slots(x, slots)
         wkv, wgate = self._gate(x)
         common = dict(norm_weight=self.norm.weight, norm_eps=self.norm.eps)
-        if start_pos == 0:
-            # Paged view: the open group's positions (from cutoff on) go to slot b's block.
+        if not per_sequence and start_pos == 0:
+            # Paged view: the open group's positions (from cutoff on) go to the slot's block.
             cutoff = seqlen - seqlen % r
-            table = _prefill_table(x, r, 1, cutoff)
+            table = _prefill_table(x, r, 1, cutoff, slot)
             rows = _kt.model_compressor(x, wkv, wgate, None, r, state_cache=self.state_cache,
                                         state_block_table=table, **common)
             return rows[:, : cutoff // r]
         ring = self.state_cache[1:].view(self.max_batch_size, r, 2 * d)
-        pos, table = _decode_indices(x, start_pos)
-        rows = _kt.model_compressor(x, wkv, wgate, None, r, state_cache=ring, state_block_table=table, start_pos=pos,
+        if not per_sequence:
+            pos = _decode_indices(x, start_pos)[0]
+        rows = _kt.model_compressor(x, wkv, wgate, None, r, state_cache=ring, state_block_table=slot, start_pos=pos,
                                     cache_mode=2, **common)
+        if per_sequence:
+            return rows
         return rows if (start_pos + 1) % r == 0 else None
 
 

@@ -218,6 +218,49 @@ def test_v41_decode_token_by_token_is_the_whole_sequences_call(ratio, prefill):
     assert torch.equal(rows.view(torch.int16), whole.view(torch.int16))
 
 
+@pytest.mark.parametrize("ratio", [1, 2, 3])
+def test_v41_continuous_batching_is_the_whole_sequences_call(ratio):
+    """Serving with per-sequence positions and batch slots: sequences prefilled one by one into slots
+    of their own, then decoded together with a tensor start_pos (each at its own position, one joining
+    at position 0 mid-way, into a slot another sequence left): every group's row is the stateless
+    call's on that sequence, bit for bit, at the step whose token closes it (zero rows elsewhere)."""
+    H, D = 64, 32
+    ref, _ = _models(H, D, ratio, seed=13)
+    mod = kvcomp.nn.DeepseekV41Compressor(H, D, ratio, max_batch_size=4)
+    mod.load_state_dict(ref.state_dict(), strict=True)
+    g = torch.Generator().manual_seed(5)
+    lens = {"a": 14, "b": 11, "c": 9}
+    seqs = {k: torch.randn(1, n, H, generator=g).to(torch.bfloat16) for k, n in lens.items()}
+    prefill = {"a": 5, "b": 2}  # c joins later, from its first token
+    slot_of = {"a": 3, "b": 1, "c": 1}  # c reuses b's slot once b is done
+    got = {k: [] for k in lens}
+    with torch.no_grad():
+        whole = {k: mod(x) for k, x in seqs.items()}
+        mod.state_cache.fill_(float("nan"))  # no step may read state it did not write
+        for k, n in prefill.items():
+            got[k].append(mod(seqs[k][:, :n], start_pos=0, slots=torch.tensor([slot_of[k]])))
+        pos = dict(prefill)
+        while any(pos.get(k, 0) < lens[k] for k in lens):
+            live = [k for k in lens if k in pos and pos[k] < lens[k]]
+            if "c" not in pos and pos["b"] >= lens["b"]:
+                pos["c"] = 0
+                live.append("c")
+            x = torch.cat([seqs[k][:, pos[k]:pos[k] + 1] for k in live])
+            sp = torch.tensor([pos[k] for k in live], dtype=torch.int32)
+            rows = mod(x, start_pos=sp, slots=torch.tensor([slot_of[k] for k in live]))
+            assert rows.shape == (len(live), 1, D)
+            for i, k in enumerate(live):
+                if (pos[k] + 1) % ratio == 0:
+                    got[k].append(rows[i:i + 1])
+                else:
+                    assert not rows[i].any(), (k, pos[k])
+                pos[k] += 1
+    for k in lens:
+        mine = torch.cat(got[k], dim=1)
+        assert mine.shape == whole[k].shape, k
+        assert torch.equal(mine.view(torch.int16), whole[k].view(torch.int16)), k
+
+
 def test_v41_decode_rules():
     mod = kvcomp.nn.DeepseekV41Compressor(64, 32, 2)
     x = torch.randn(1, 3, 64)
@@ -230,6 +273,20 @@ def test_v41_decode_rules():
         mod(x, start_pos=4)
     with pytest.raises(kvcomp.KvcompError, match="start_pos"):
         mod(x, start_pos=-1)
+    one = torch.randn(1, 1, 64)
+    with pytest.raises(kvcomp.KvcompError, match="start_pos"):
+        mod(one, start_pos=torch.tensor([-1]))
+    with pytest.raises(kvcomp.KvcompError, match="int tensor"):
+        mod(one, start_pos=torch.tensor([1.0]))
+    with pytest.raises(kvcomp.KvcompError, match="one token"):
+        mod(x, start_pos=torch.tensor([3]))
+    with pytest.raises(kvcomp.KvcompError, match="slots"):
+        mod(one, start_pos=3, slots=torch.tensor([1]))  # max_batch_size 1: slot 1 does not exist
+    with pytest.raises(kvcomp.KvcompError, match="slots"):
+        mod(one, slots=torch.tensor([0]))  # no start_pos: no batch slots
+    wide = kvcomp.nn.DeepseekV41Compressor(64, 32, 2, max_batch_size=3)
+    with pytest.raises(kvcomp.KvcompError, match="distinct"):
+        wide(torch.randn(2, 1, 64), start_pos=3, slots=torch.tensor([2, 2]))
     assert "state_cache" not in mod.state_dict()
 
 
