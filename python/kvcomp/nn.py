@@ -151,15 +151,17 @@ def _kept_weights(owner, x, wkv_p, wgate_p):
     """(wkv, wgate, prepared blob or None) in x's dtype for a one-process call on the parameters
     ``wkv_p`` and ``wgate_p`` of the module ``owner`` (read once by the caller): kept in
     ``owner._prepared`` between calls that record no gradient, else cast per call (so autograd reaches
-    the parameters)."""
-    records_grad = torch.is_grad_enabled() and (wkv_p.requires_grad or wgate_p.requires_grad)
+    the parameters). ``wgate_p`` None (a call without a gate): wgate and the blob are None (a blob
+    holds both projections)."""
+    gate = wgate_p is not None
+    records_grad = torch.is_grad_enabled() and (wkv_p.requires_grad or (gate and wgate_p.requires_grad))
     if records_grad or torch.compiler.is_compiling():
-        return wkv_p.to(x.dtype), wgate_p.to(x.dtype), None
+        return wkv_p.to(x.dtype), wgate_p.to(x.dtype) if gate else None, None
     # The parameter objects themselves (held, so that no other tensor can take their memory while
     # the copy is kept), their storage and version counters; inference mode makes inference
     # tensors, kept apart from the others.
     key = (x.dtype, x.device, torch.is_inference_mode_enabled(), wkv_p.data_ptr(), wkv_p._version,
-           wgate_p.data_ptr(), wgate_p._version)
+           wgate_p.data_ptr() if gate else 0, wgate_p._version if gate else 0)
     # One read of owner._prepared and one write: calls from several threads each use a whole
     # tuple (at worst two of them make one each).
     p = owner._prepared
@@ -167,8 +169,8 @@ def _kept_weights(owner, x, wkv_p, wgate_p):
         owner._prepared = p = None  # the old copy goes before the new one is made
         with torch.no_grad():
             wkv = wkv_p.to(x.dtype).contiguous()
-            wgate = wgate_p.to(x.dtype).contiguous()
-            blob = _prepare_weights(wkv, wgate) if x.device.type == "cpu" else None
+            wgate = wgate_p.to(x.dtype).contiguous() if gate else None
+            blob = _prepare_weights(wkv, wgate) if gate and x.device.type == "cpu" else None
         p = (wkv_p, wgate_p, key, wkv, wgate, blob)
         owner._prepared = p
     return p[3:]
@@ -238,6 +240,10 @@ class DeepseekV41Compressor(torch.nn.Module):
     order). Ratio 1 calls the operator without a gate (``wgate`` None): no gate product at all, the
     pooled row is the projection row.
 
+    Calls without gradient (inference, serving) keep the weights cast to x's dtype, and with a gate
+    prepared for the products (``kvcomp.prepare_weights``), until a parameter changes;
+    ``forget_prepared_weights()`` drops them.
+
     Serving: with ``max_batch_size`` > 0 the module keeps each sequence's pending tokens (the open
     group: at most ``ratio - 1`` tokens) in kvcomp's state cache, the buffer ``state_cache`` (fp32,
     not in the state_dict), and ``forward(x, start_pos=...)`` prefills and decodes token by token (see
@@ -265,6 +271,7 @@ class DeepseekV41Compressor(torch.nn.Module):
         self.wkv = torch.nn.Linear(self.hidden_size, self.head_dim, bias=False, **kw)
         self.wgate = torch.nn.Linear(self.hidden_size, self.head_dim, bias=False, **kw) if self.ratio > 1 else None
         self.norm = _NormWeight(self.head_dim, eps, device=device)
+        self._prepared = None  # the weights kept for calls without gradient (_kept_weights)
         # Decode state (max_batch_size > 0): block 0 is never written (block id 0 = do not write),
         # block 1 + b holds batch slot b's pending tokens (positions of its open group); the same rows
         # seen as one ring block of `ratio` slots per batch slot are the decode calls' cache.
@@ -276,22 +283,27 @@ class DeepseekV41Compressor(torch.nn.Module):
         return (f"hidden_size={self.hidden_size}, head_dim={self.head_dim}, ratio={self.ratio}, eps={self.norm.eps}"
                 + (f", max_batch_size={self.max_batch_size}" if self.max_batch_size else ""))
 
+    def forget_prepared_weights(self):
+        """Drops the weights kept for calls without gradient (as ``kvcomp.nn.Compressor``'s)."""
+        self._prepared = None
+
     def _gate(self, x):
-        wkv = self.wkv.weight.to(x.dtype)
-        return wkv, self.wgate.weight.to(x.dtype) if self.wgate is not None else None
+        """(wkv, wgate or None, prepared blob or None) in x's dtype: kept between calls without gradient
+        (``_kept_weights``), so a decode step does not cast the fp32 weights again."""
+        return _kept_weights(self, x, self.wkv.weight, self.wgate.weight if self.wgate is not None else None)
 
     def pooled(self, x, cu_seqlens=None, *, norm=False):
         """The pooled rows before the RMSNorm (after it, fused into the operator, with ``norm``), in x's
         dtype: BSH ``[B, S // ratio, head_dim]``, TH ``[sum over sequences of len // ratio, head_dim]``
         (``cu_seqlens`` int32 ``[B + 1]``)."""
         r, d = self.ratio, self.head_dim
-        wkv, wgate = self._gate(x)
+        wkv, wgate, blob = self._gate(x)
         if x.dim() == 2 and cu_seqlens is None:
             raise KvcompError(NULL_POINTER, "[kvcomp] cu_seqlens (= None) must be given with TH x [T, H]")
         cache, table = _scratch_state(x, cu_seqlens, r, 2 * d)
         rows = _kt.model_compressor(x, wkv, wgate, None, r, state_cache=cache, state_block_table=table,
                                     cu_seqlens=cu_seqlens, norm_weight=self.norm.weight if norm else None,
-                                    norm_eps=self.norm.eps)
+                                    norm_eps=self.norm.eps, prepared_weights=blob)
         return _complete_rows(x, rows, cu_seqlens, r)
 
     def forward(self, x, cu_seqlens=None, *, start_pos=None, slots=None):
@@ -364,8 +376,8 @@ class DeepseekV41Compressor(torch.nn.Module):
                                              f"{start_pos if not per_sequence else pos.tolist()}) is a decode step: "
                                              "decode takes one token per call")
         slot = self._slots(x, slots)
-        wkv, wgate = self._gate(x)
-        common = dict(norm_weight=self.norm.weight, norm_eps=self.norm.eps)
+        wkv, wgate, blob = self._gate(x)
+        common = dict(norm_weight=self.norm.weight, norm_eps=self.norm.eps, prepared_weights=blob)
         if not per_sequence and start_pos == 0:
             # Paged view: the open group's positions (from cutoff on) go to the slot's block.
             cutoff = seqlen - seqlen % r

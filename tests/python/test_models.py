@@ -261,6 +261,28 @@ def test_v41_continuous_batching_is_the_whole_sequences_call(ratio):
         assert torch.equal(mine.view(torch.int16), whole[k].view(torch.int16)), k
 
 
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_v41_keeps_its_weights_between_calls_without_gradient(ratio):
+    """Calls without gradient keep the weights cast to x's dtype (and, with a gate, prepared for the
+    products) until a parameter changes: the same bits as a fresh module's call, made once."""
+    _, mod = _models(64, 32, ratio, seed=17)
+    x = torch.randn(2, 6, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        out = mod(x)
+        kept = mod._prepared
+        assert kept is not None and (kept[-1] is not None) == (ratio > 1)  # a blob only with a gate
+        assert torch.equal(mod(x), out) and mod._prepared is kept
+        mod.wkv.weight.mul_(0.5)  # in place: the kept copy is stale
+        out2 = mod(x)
+        assert mod._prepared is not kept
+    fresh = kvcomp.nn.DeepseekV41Compressor(64, 32, ratio, eps=mod.norm.eps)
+    fresh.load_state_dict(mod.state_dict(), strict=True)
+    want = fresh(x)  # with gradient: the weights cast per call, no blob
+    assert torch.equal(out2.view(torch.int16), want.detach().view(torch.int16))
+    mod.forget_prepared_weights()
+    assert mod._prepared is None
+
+
 def test_v41_decode_rules():
     mod = kvcomp.nn.DeepseekV41Compressor(64, 32, 2)
     x = torch.randn(1, 3, 64)
