@@ -121,15 +121,18 @@ struct EpilogueBackward {
   std::vector<double> d_out;
 };
 
+// gate false: a call without wgate (and d_wgate; cmp_ratio 1, coff 1).
 inline std::unique_ptr<EpilogueBackward> epilogue_backward(
     const RandomCase<double>& rc, DType io, Variant v, bool with_ape = true,
-    const ForwardRunner& fwd = [](ForwardRun& r, const Options& o) { return run_on_cpu(r, o); }) {
+    const ForwardRunner& fwd = [](ForwardRun& r, const Options& o) { return run_on_cpu(r, o); },
+    bool gate = true) {
   const ref::Problem& p = rc.problem;
   auto r = std::make_unique<EpilogueBackward>();
   r->fwd = std::make_unique<ForwardRun>(p, rc.in, io);
   r->e = make_epilogue(p, v.norm, v.pairs, 9);
   attach(r->fwd->args, r->e, p);
   if (!with_ape) r->fwd->args.ape = Tensor{};
+  if (!gate) r->fwd->args.wgate = Tensor{};
   r->e.pooled = Buffer::filled(r->fwd->cmp_kv.size(), io, 5.0f);
   r->fwd->args.pooled = compressed_tensor(r->e.pooled, p, false);
   const Status st = fwd(*r->fwd, {});
@@ -148,11 +151,15 @@ inline std::unique_ptr<EpilogueBackward> epilogue_backward(
   r->e.d_norm_weight = Buffer::filled(static_cast<std::size_t>(p.D), DType::f32, 3.0f);
   if (v.norm) r->bwd->args.d_norm_weight = tensor(r->e.d_norm_weight, {p.D});
   if (!with_ape) r->bwd->args.d_ape = Tensor{};
+  if (!gate) {
+    r->bwd->args.wgate = Tensor{};
+    r->bwd->args.d_wgate = Tensor{};
+  }
   return r;
 }
 
-// One case of the checks below: the io dtype, the layout, coff, the epilogue (none: {false, 0}) and
-// whether the call has an APE term.
+// One case of the checks below: the io dtype, the layout, coff, the epilogue (none: {false, 0}),
+// whether the call has an APE term, and whether it has a gate (without: cmp_ratio 1, coff 1).
 struct EpilogueCase {
   DType io = DType::bf16;
   bool th = false;
@@ -160,21 +167,34 @@ struct EpilogueCase {
   Variant v{true, 8};
   bool with_ape = true;
   std::uint64_t seed = 3;
+  bool gate = true;
 };
 
 inline std::string describe(const EpilogueCase& c) {
   return std::string(dtype_name(c.io)) + (c.th ? " TH" : " BSH") + " coff " + std::to_string(c.coff) +
          " norm " + std::to_string(c.v.norm) + " pairs " + std::to_string(c.v.pairs) +
-         (c.with_ape ? "" : " no APE");
+         (c.with_ape ? "" : " no APE") + (c.gate ? "" : " no gate (ratio 1)");
 }
 inline void PrintTo(const EpilogueCase& c, std::ostream* os) { *os << describe(c) << " seed " << c.seed; }
+// The case's name in a parameterized suite.
+inline std::string param_name(const EpilogueCase& c) {
+  return std::string(dtype_name(c.io)) + (c.th ? "_th" : "_bsh") + "_coff" + std::to_string(c.coff) +
+         (c.v.norm ? "_norm" : "") + "_rope" + std::to_string(2 * c.v.pairs) + (c.with_ape ? "" : "_noape") +
+         (c.gate ? "" : "_nogate_r1");
+}
+// The random problem of a case: epilogue_case, at ratio 1 without a gate.
+inline RandomOptions case_options(const EpilogueCase& c) {
+  RandomOptions o = epilogue_case(c.th, c.coff);
+  if (!c.gate) o.r = 1;
+  return o;
+}
 
 // The forward: the pooled rows (without APE: a zero bias) against the float64 oracle, `pooled` the
 // same call without the epilogue bit for bit, and cmp_kv the reference's epilogue (float64 steps, each
 // rounded to the io dtype) on those rows, within one rounding in the io dtype.
 inline void check_epilogue_forward(const ForwardRunner& run, const EpilogueCase& c) {
   SCOPED_TRACE(describe(c));
-  auto rc = make_random_case(epilogue_case(c.th, c.coff), c.seed);
+  auto rc = make_random_case(case_options(c), c.seed);
   round_io_inputs(rc.in, c.io);
   if (!c.with_ape) std::fill(rc.in.ape.begin(), rc.in.ape.end(), 0.0);
   const ref::Problem& p = rc.problem;
@@ -182,6 +202,7 @@ inline void check_epilogue_forward(const ForwardRunner& run, const EpilogueCase&
   EpilogueData e = make_epilogue(p, c.v.norm, c.v.pairs, 7);
   attach(fused.args, e, p);
   if (!c.with_ape) fused.args.ape = Tensor{};
+  if (!c.gate) plain.args.wgate = fused.args.wgate = Tensor{};
   e.pooled = Buffer::filled(fused.cmp_kv.size(), c.io, 5.0f);
   fused.args.pooled = compressed_tensor(e.pooled, p, false);
   const Status sp = run(plain, {});
@@ -189,6 +210,7 @@ inline void check_epilogue_forward(const ForwardRunner& run, const EpilogueCase&
   const Status st = run(fused, {});
   ASSERT_TRUE(st.ok()) << st.message;
   ref::ForwardInputs<double> copy = rc.in;
+  if (!c.gate) copy.wgate.clear();
   const auto fwd = ref::forward<double>(p, copy);
   const double pool_tol = c.io == DType::bf16 ? 1.0 / 128 : c.io == DType::f16 ? 1.0 / 1024 : 1e-5;
   EXPECT_LE(relative_error(plain.cmp_kv.values(), fwd.cmp_kv), pool_tol) << "pooled rows";
@@ -219,11 +241,12 @@ inline void check_epilogue_forward(const ForwardRunner& run, const EpilogueCase&
 inline void check_epilogue_backward(const ForwardRunner& fwd_run, const BackwardRunner& bwd_run,
                                     const EpilogueCase& c) {
   SCOPED_TRACE(describe(c));
-  auto rc = make_random_case(epilogue_case(c.th, c.coff), c.seed + 18);
+  auto rc = make_random_case(case_options(c), c.seed + 18);
   round_io_inputs(rc.in, c.io);
   if (!c.with_ape) std::fill(rc.in.ape.begin(), rc.in.ape.end(), 0.0);
+  if (!c.gate) rc.in.wgate.clear();  // the oracle's call without a gate (the runs' wgate is left out)
   const ref::Problem& p = rc.problem;
-  auto run = epilogue_backward(rc, c.io, c.v, c.with_ape, fwd_run);
+  auto run = epilogue_backward(rc, c.io, c.v, c.with_ape, fwd_run, c.gate);
   const Status st = bwd_run(*run->bwd, {});
   ASSERT_TRUE(st.ok()) << st.message;
   ref::ForwardInputs<double> copy = rc.in;
@@ -239,7 +262,12 @@ inline void check_epilogue_backward(const ForwardRunner& fwd_run, const Backward
   const double tol = c.io == DType::f32 ? 1e-5 : c.io == DType::bf16 ? 1.0 / 64 : 1.0 / 256;
   EXPECT_LE(relative_error(run->bwd->d_x.values(), oracle.d_x), tol) << "d_x";
   EXPECT_LE(relative_error(run->bwd->d_wkv.values(), oracle.d_wkv), tol) << "d_wkv";
-  EXPECT_LE(relative_error(run->bwd->d_wgate.values(), oracle.d_wgate), tol) << "d_wgate";
+  if (c.gate) {
+    EXPECT_LE(relative_error(run->bwd->d_wgate.values(), oracle.d_wgate), tol) << "d_wgate";
+  } else {
+    EXPECT_EQ(run->bwd->d_wgate.values(), std::vector<double>(run->bwd->d_wgate.size(), 3.0))
+        << "no gate: d_wgate's buffer is not written";
+  }
   if (c.with_ape) {
     EXPECT_LE(relative_error(run->bwd->d_ape.values(), oracle.d_ape), 1e-5) << "d_ape";
   } else {
@@ -263,6 +291,12 @@ inline std::vector<EpilogueCase> epilogue_cases() {
         v.push_back({io, th, coff, {true, 8}, false, seed++});   // the model without APE (V4.1)
         v.push_back({io, th, coff, {false, 0}, false, seed++});  // no APE, no epilogue
       }
+  // DeepSeek-V4.1's ratio 1: no gate (cmp_ratio 1, coff 1), with the norm; and with APE and RoPE too.
+  for (DType io : {DType::bf16, DType::f16, DType::f32})
+    for (bool th : {false, true}) {
+      v.push_back({io, th, 1, {true, 0}, false, seed++, false});
+      v.push_back({io, th, 1, {true, 8}, true, seed++, false});
+    }
   return v;
 }
 

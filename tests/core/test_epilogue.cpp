@@ -211,5 +211,21 @@ TEST(Epilogue, RulesOfItsArguments) {
   EXPECT_EQ(run->bwd->run().code, StatusCode::null_pointer);
 }
 
+// The cases of the CUDA suites (epilogue_cases: every epilogue, with and without APE, every io dtype,
+// both layouts, coff 1 and 2, ratio 1 without a gate) on the CPU backend.
+class CpuEpilogue : public ::testing::TestWithParam<EpilogueCase> {};
+
+TEST_P(CpuEpilogue, ForwardMatchesTheReference) {
+  check_epilogue_forward([](ForwardRun& r, const Options& o) { return run_on_cpu(r, o); }, GetParam());
+}
+
+TEST_P(CpuEpilogue, BackwardMatchesTheOracle) {
+  check_epilogue_backward([](ForwardRun& r, const Options& o) { return run_on_cpu(r, o); },
+                          [](BackwardRun& r, const Options& o) { return run_on_cpu(r, o); }, GetParam());
+}
+
+INSTANTIATE_TEST_SUITE_P(Epilogue, CpuEpilogue, ::testing::ValuesIn(epilogue_cases()),
+                         [](const auto& tp) { return param_name(tp.param); });
+
 }  // namespace
 }  // namespace kvcomp::test

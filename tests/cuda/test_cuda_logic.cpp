@@ -249,12 +249,7 @@ TEST_P(CudaLogicEpilogue, BackwardMatchesTheOracle) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Epilogue, CudaLogicEpilogue, ::testing::ValuesIn(epilogue_cases()),
-                         [](const auto& tp) {
-                           const EpilogueCase& c = tp.param;
-                           return std::string(dtype_name(c.io)) + (c.th ? "_th" : "_bsh") + "_coff" +
-                                  std::to_string(c.coff) + (c.v.norm ? "_norm" : "") + "_rope" +
-                                  std::to_string(2 * c.v.pairs) + (c.with_ape ? "" : "_noape");
-                         });
+                         [](const auto& tp) { return param_name(tp.param); });
 
 // The epilogue's formulas are the CPU's, operation for operation, its sums in the CPU's order: on the
 // CPU backend's pooled rows the forward gives its cmp_kv bit for bit; from the CPU forward's outputs

@@ -125,11 +125,8 @@ TEST_P(CudaEpilogue, BackwardMatchesTheOracle) {
                           [](BackwardRun& r, const Options& o) { return on_gpu(r, o); }, GetParam());
 }
 
-INSTANTIATE_TEST_SUITE_P(Epilogue, CudaEpilogue, ::testing::ValuesIn(epilogue_cases()), [](const auto& tp) {
-  const EpilogueCase& c = tp.param;
-  return std::string(dtype_name(c.io)) + (c.th ? "_th" : "_bsh") + "_coff" + std::to_string(c.coff) +
-         (c.v.norm ? "_norm" : "") + "_rope" + std::to_string(2 * c.v.pairs) + (c.with_ape ? "" : "_noape");
-});
+INSTANTIATE_TEST_SUITE_P(Epilogue, CudaEpilogue, ::testing::ValuesIn(epilogue_cases()),
+                         [](const auto& tp) { return param_name(tp.param); });
 
 // From the CPU forward's outputs, the GPU backward's d_norm_weight and d_ape are the CPU's bit for bit
 // (the same formulas in the same order, no atomics), and both operators give the same bits run to run.
