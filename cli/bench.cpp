@@ -101,9 +101,9 @@ std::vector<double> best_in_rounds(int repeat, const std::vector<Timed>& fs, boo
 }
 
 // The products alone of one kind, or none where oneDNN has no such matmul here (bf16 operands need
-// avx512_core in oneDNN 2.6: reported as n/a); fp32 products must exist. 16-bit products only for
-// bf16 io: an fp16 call's products are fp32 (oneDNN 2.6 has no fp16 matmul), so a bf16 product is no
-// baseline of it.
+// bf16 units: reported as n/a); fp32 products must exist. 16-bit products only for bf16 io: kvcomp
+// runs an fp16 call's products in fp32 (oneDNN's fp16 matmul needs AVX512-FP16 or AMX-FP16, which
+// kvcomp does not use), so a bf16 product is no baseline of it.
 template <typename C, typename... A>
 std::unique_ptr<Products> products_or_none(bool bf16, const C& c, const A&... a) {
   if (bf16 && c.io != DType::bf16) return nullptr;
@@ -343,7 +343,7 @@ struct Used {
 };
 
 Used products_used(bool npu_parity, DType io) {
-  if (io != DType::bf16) return {false, false, "f32", "f32"};  // no fp16 matmul in oneDNN 2.6: fp32 products
+  if (io != DType::bf16) return {false, false, "f32", "f32"};  // kvcomp's fp16 calls: fp32 products
   const std::string k = product_kernels();
   const bool units = k.rfind("bf16 (", 0) == 0;
   const bool split = k.find("precise as hi+lo") != std::string::npos;
@@ -354,7 +354,7 @@ Used products_used(bool npu_parity, DType io) {
   return u;
 }
 
-// product_kernels() describes a bf16 call; an fp16 call's products are fp32 (oneDNN 2.6 has no fp16
+// product_kernels() describes a bf16 call; an fp16 call's products are fp32 (kvcomp uses no fp16
 // matmul), on the same few-row kernel where there is one.
 std::string products_text(DType io) {
   const std::string k = product_kernels();

@@ -3,7 +3,7 @@
 // Row stability (products/onednn_f32.hpp) pads a decode-sized fp32 product to 4 or more rows on AVX2, to 16
 // on AVX-512, and sgemm's few-row path with B transposed then runs at about half the rate of its one-row path
 // on AVX2, at a sixteenth of it on AVX-512 (docs/performance.md). This kernel computes C[m, n] = A[m, K] .
-// B[n, K]^T for m <= 8 in the order oneDNN 2.6's sgemm sums an element of a whole 16-column group: one fma
+// B[n, K]^T for m <= 8 in the order oneDNN's sgemm sums an element of a whole 16-column group: one fma
 // chain per element and K block, from zero, the blocks added in order (sgemm_k_blocks). So a token's row is
 // bitwise the row the same token gets from a long tile, without the padding rows. The order was measured, not
 // documented: products/onednn_f32.cpp checks it against sgemm once per process before the first use and keeps
@@ -15,7 +15,8 @@
 
 namespace kvcomp::detail {
 
-// The K blocks of oneDNN 2.6's sgemm (Debian 2.6.3) for one of its calls, as blocks of `unit`:
+// The K blocks of oneDNN's sgemm (measured on 2.6.3; 3.2's sums the same, the bits tests' hashes
+// unchanged) for one of its calls, as blocks of `unit`:
 // - halves: one block up to `unit`; beyond, blocks of `unit` while more than 2 `unit` remain, then the
 //   rest in two halves (the first rounded up). The AVX2 sgemm, unit 256, always (measured for K
 //   1-18432); the AVX-512 one, unit 384, for most shapes.
