@@ -206,12 +206,17 @@ def _prefill_table(x, ratio, coff, keep, slots=None):
     return torch.where(col * ratio >= keep, 1 + slot * coff + col % coff, torch.zeros_like(col)).to(torch.int32)
 
 
-def _decode_indices(x, start_pos):
-    """start_pos and the ring block table of a one-token decode step of BSH ``x``, batch row b in
-    batch slot b: int32 ``[bsz]`` each."""
+def _decode_indices(x, start_pos, slots=None):
+    """start_pos and the ring block table of a one-token decode step of BSH ``x``: int32 ``[bsz]`` each.
+    ``start_pos`` an int (every sequence's) or an int tensor ``[bsz]``; batch row b in batch slot
+    ``slots[b]`` (int32 ``[bsz]``; default b)."""
     bsz = x.shape[0]
-    pos = torch.full((bsz,), start_pos, dtype=torch.int32, device=x.device)
-    return pos, torch.arange(bsz, dtype=torch.int32, device=x.device)
+    if isinstance(start_pos, torch.Tensor):
+        pos = start_pos.to(device=x.device, dtype=torch.int32)
+    else:
+        pos = torch.full((bsz,), start_pos, dtype=torch.int32, device=x.device)
+    table = slots if slots is not None else torch.arange(bsz, dtype=torch.int32, device=x.device)
+    return pos, table
 
 
 class _NormWeight(torch.nn.Module):
@@ -333,10 +338,10 @@ class DeepseekV41Compressor(torch.nn.Module):
         return self._serve(x, start_pos, slots)
 
     def _slots(self, x, slots):
-        """Batch row b's batch slot: int32 ``[B]``, checked."""
+        """Batch row b's batch slot: int32 ``[B]``, checked; None (slot b) when not given."""
         bsz = x.shape[0]
         if slots is None:
-            return torch.arange(bsz, dtype=torch.int32, device=x.device)
+            return None
         s = torch.as_tensor(slots, device=x.device)
         if s.dim() != 1 or s.shape[0] != bsz or s.is_floating_point() or s.is_complex():
             raise KvcompError(INVALID_PARAM, f"[kvcomp] slots (shape {tuple(s.shape)}, dtype {s.dtype}) must be "
@@ -363,18 +368,16 @@ class DeepseekV41Compressor(torch.nn.Module):
             if start_pos.dim() != 1 or start_pos.shape[0] != bsz or start_pos.is_floating_point():
                 raise KvcompError(INVALID_PARAM, f"[kvcomp] start_pos (shape {tuple(start_pos.shape)}, dtype "
                                                  f"{start_pos.dtype}) must be an int or an int tensor [B] (= [{bsz}])")
-            pos = start_pos.to(device=x.device, dtype=torch.int32)
-            low = int(pos.min()) if bsz else 0
+            shown = start_pos.tolist()
+            low = min(shown, default=0)
         else:
             start_pos = int(start_pos)
-            low = start_pos
+            shown = low = start_pos
         if low < 0:
-            raise KvcompError(INVALID_PARAM, f"[kvcomp] start_pos (= {start_pos if not per_sequence else pos.tolist()}) "
-                                             "must be >= 0")
+            raise KvcompError(INVALID_PARAM, f"[kvcomp] start_pos (= {shown}) must be >= 0")
         if (per_sequence or start_pos > 0) and seqlen != 1:
             raise KvcompError(INVALID_PARAM, f"[kvcomp] x.shape[1] (= {seqlen}) must be 1 when start_pos (= "
-                                             f"{start_pos if not per_sequence else pos.tolist()}) is a decode step: "
-                                             "decode takes one token per call")
+                                             f"{shown}) is a decode step: decode takes one token per call")
         slot = self._slots(x, slots)
         wkv, wgate, blob = self._gate(x)
         common = dict(norm_weight=self.norm.weight, norm_eps=self.norm.eps, prepared_weights=blob)
@@ -386,9 +389,8 @@ class DeepseekV41Compressor(torch.nn.Module):
                                         state_block_table=table, **common)
             return rows[:, : cutoff // r]
         ring = self.state_cache[1:].view(self.max_batch_size, r, 2 * d)
-        if not per_sequence:
-            pos = _decode_indices(x, start_pos)[0]
-        rows = _kt.model_compressor(x, wkv, wgate, None, r, state_cache=ring, state_block_table=slot, start_pos=pos,
+        pos, table = _decode_indices(x, start_pos, slot)
+        rows = _kt.model_compressor(x, wkv, wgate, None, r, state_cache=ring, state_block_table=table, start_pos=pos,
                                     cache_mode=2, **common)
         if per_sequence:
             return rows
