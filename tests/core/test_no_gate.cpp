@@ -1,6 +1,7 @@
 // Calls without a gate projection (DeepSeek-V4.1's ratio 1: wgate and d_wgate left out, cmp_ratio 1,
-// coff 1): against the float64 oracle without one, forward and backward, with and without APE and
-// the epilogue's norm; the bits across thread counts over several chunks; the rules.
+// coff 1): against the float64 oracle without one, forward and backward, with and without APE; the
+// bits across thread counts over several chunks; the rules. With the epilogue: epilogue_cases()'s
+// no-gate cases (test_epilogue.cpp).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -72,35 +73,6 @@ TEST(NoGate, MatchesTheFloat64OracleForwardAndBackward) {
               << "one token's softmax has no gradient";
         }
       }
-}
-
-TEST(NoGate, WithTheNormMatchesTheOracle) {
-  for (bool th : {false, true}) {
-    auto rc = make_random_case(no_gate_case(th), 61);
-    round_io_inputs(rc.in, DType::bf16);
-    const ref::Problem& p = rc.problem;
-    ForwardRun plain(p, rc.in, DType::bf16), fused(p, rc.in, DType::bf16);
-    for (ForwardRun* f : {&plain, &fused}) {
-      f->args.wgate = Tensor{};
-      f->args.ape = Tensor{};
-    }
-    EpilogueData e = make_epilogue(p, true, 0, 3);
-    attach(fused.args, e, p);
-    e.pooled = Buffer::filled(fused.cmp_kv.size(), DType::bf16, 5.0f);
-    fused.args.pooled = compressed_tensor(e.pooled, p, false);
-    ASSERT_TRUE(plain.run().ok());
-    const Status st = fused.run();
-    ASSERT_TRUE(st.ok()) << st.message;
-    EXPECT_EQ(e.pooled.values(), plain.cmp_kv.values());
-    ref::ForwardInputs<double> in = rc.in;
-    in.wgate.clear();
-    in.ape.clear();
-    ref::ForwardInputs<double> copy = in;
-    const auto fwd = ref::forward<double>(p, copy);
-    std::vector<double> expect = plain.cmp_kv.values();
-    ref::epilogue_forward<double>(p, e.reference(DType::bf16), fwd.position, expect);
-    EXPECT_LE(max_ulps(fused.cmp_kv.values(), expect, DType::bf16), 1.0);
-  }
 }
 
 TEST(NoGate, BitwiseAcrossThreadCountsOverSeveralChunks) {
