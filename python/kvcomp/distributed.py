@@ -393,7 +393,7 @@ def _prepare(x, wkv, wgate, ape, cmp_ratio, group, split, cu_seqlens, seqused, s
     call.reduce_w = weight_grads == "reduced"
     call.precision, call.profile = precision, profile
     call.epilogue = None
-    if norm_weight is not None or rope_cos is not None or rope_sin is not None:
+    if has_epilogue:
         if (rope_cos is None) != (rope_sin is None):
             raise error(NULL_POINTER, f"rope_cos and rope_sin (= {_given(rope_cos)}, {_given(rope_sin)}) must be "
                                       "given together")
